@@ -1,0 +1,76 @@
+"""Train the example GPT with zeroengine. Run it through the launcher:
+
+    zeroengine --num_procs 2 examples/gpt/train.py --zeroengine_config examples/gpt/config.json
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zeroengine  # noqa: E402
+from model import GPT, GPTConfig, SyntheticTokens  # noqa: E402
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="zeroengine example: a small GPT on synthetic tokens")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=128)
+    parser.add_argument("--n_head", type=int, default=4)
+    parser.add_argument("--block_size", type=int, default=64)
+    parser.add_argument("--vocab_size", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=1234)
+    zeroengine.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd)
+    model = GPT(cfg)
+    data = SyntheticTokens(num_samples=8192, block_size=args.block_size, vocab_size=args.vocab_size, seed=args.seed)
+    engine, _, loader, _ = zeroengine.initialize(args=args, model=model, training_data=data)
+    rank0 = engine.global_rank == 0
+    if rank0:
+        print(f"GPT {model.num_params() / 1e6:.2f}M params | world {engine.world_size} | stage {engine.zero_stage} | "
+              f"micro batch {engine.train_micro_batch_size_per_gpu()} x accumulation "
+              f"{engine.gradient_accumulation_steps()} x ranks {engine.world_size} = {engine.train_batch_size()} "
+              f"| loss at start should be about ln({cfg.vocab_size}) = {math.log(cfg.vocab_size):.2f}", flush=True)
+
+    engine.train()
+    losses, epoch, start = [], 0, time.perf_counter()
+    while engine.global_steps < args.steps:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            if engine.is_gradient_accumulation_boundary() or engine.gradient_accumulation_steps() == 1:
+                losses.append(loss.item())
+            if engine.global_steps >= args.steps:
+                break
+        epoch += 1
+    elapsed = time.perf_counter() - start
+
+    tokens = engine.global_steps * engine.train_batch_size() * args.block_size
+    mem = engine.memory_breakdown()
+    if rank0:
+        first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
+        print(f"done: {engine.global_steps} steps in {elapsed:.1f}s | {tokens / elapsed:,.0f} tokens/s | "
+              f"loss {first:.3f} -> {last:.3f}", flush=True)
+        print("memory per rank: " + ", ".join(f"{k} {v / 2**20:.1f}MiB" for k, v in mem.items()), flush=True)
+        if not last < first:
+            print("loss did not fall", file=sys.stderr)
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

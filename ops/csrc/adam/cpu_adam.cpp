@@ -1,0 +1,155 @@
+// Adam / AdamW step over flat fp32 CPU tensors (param, exp_avg, exp_avg_sq),
+// with an fp32, bf16 or fp16 gradient and an optional bf16/fp16 copy of the
+// updated parameter written in the same pass.
+//
+// The step is memory bound (28 bytes per fp32 parameter), so the design goal is
+// one streaming pass: every array is read and written exactly once, OpenMP
+// threads take contiguous blocks, and the SIMD width comes from simd.h.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+// torch/extension.h would also pull in the whole C++ frontend (torch/all.h) and
+// triple the compile time; the Tensor type and its pybind11 casters suffice.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "adam_hyper.h"
+#include "simd.h"
+
+namespace ze {
+namespace {
+
+// Marks "no 16-bit copy requested" in the kernel's template arguments.
+struct NoCopy {};
+
+template <typename GradT, typename CopyT>
+struct AdamArrays {
+  float* param;
+  const GradT* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  CopyT* copy;  // nullptr unless CopyT is a 16-bit type
+};
+
+// Updates elements [begin, end); Ops::kWidth must divide end - begin.
+template <typename Ops, typename GradT, typename CopyT>
+inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, int64_t begin,
+                       int64_t end) {
+  using R = typename Ops::Reg;
+  const R beta1 = Ops::set1(h.beta1), beta2 = Ops::set1(h.beta2);
+  const R one_minus_beta1 = Ops::set1(1.0f - h.beta1), one_minus_beta2 = Ops::set1(1.0f - h.beta2);
+  const R eps = Ops::set1(h.eps), weight_decay = Ops::set1(h.weight_decay);
+  const R decay_factor = Ops::set1(h.decay_factor), inv_bc2_sqrt = Ops::set1(h.inv_bc2_sqrt);
+  const R neg_step_size = Ops::set1(-h.step_size);
+
+  for (int64_t i = begin; i < end; i += Ops::kWidth) {
+    R p = Ops::load(a.param + i);
+    R g = Ops::load(a.grad + i);
+    // Branch-free weight decay: make_adam_hyper zeroes weight_decay in AdamW
+    // mode and sets decay_factor to 1 in Adam mode, so exactly one applies.
+    g = Ops::fmadd(weight_decay, p, g);  // Adam: L2 term joins the gradient
+    p = Ops::mul(p, decay_factor);       // AdamW: decoupled shrink of the param
+    const R m = Ops::fmadd(beta1, Ops::load(a.exp_avg + i), Ops::mul(one_minus_beta1, g));
+    const R v = Ops::fmadd(beta2, Ops::load(a.exp_avg_sq + i),
+                           Ops::mul(one_minus_beta2, Ops::mul(g, g)));
+    const R denom = Ops::fmadd(Ops::sqrt(v), inv_bc2_sqrt, eps);
+    p = Ops::fmadd(neg_step_size, Ops::div(m, denom), p);
+    Ops::store(a.exp_avg + i, m);
+    Ops::store(a.exp_avg_sq + i, v);
+    Ops::store(a.param + i, p);
+    if constexpr (!std::is_same_v<CopyT, NoCopy>) Ops::store(a.copy + i, p);
+  }
+}
+
+// Floats per OpenMP work item: a multiple of every vector width (so only the
+// last block has a scalar tail), large enough to amortise scheduling, small
+// enough to balance two to a few dozen threads on 1M+ element tensors.
+constexpr int64_t kBlock = 16384;
+
+template <typename GradT, typename CopyT>
+void adam_tensor(const AdamArrays<GradT, CopyT>& a, int64_t numel, const AdamHyper& h) {
+  const int64_t blocks = (numel + kBlock - 1) / kBlock;
+  // Follow torch.set_num_threads so the engine controls CPU use in one place.
+  const int threads = at::get_num_threads();
+#pragma omp parallel for schedule(static) num_threads(threads) if (blocks > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * kBlock;
+    const int64_t end = std::min(numel, begin + kBlock);
+    const int64_t vec_end = begin + (end - begin) / VecOps::kWidth * VecOps::kWidth;
+    adam_range<VecOps>(a, h, begin, vec_end);
+    adam_range<ScalarOps>(a, h, vec_end, end);
+  }
+}
+
+template <typename GradT>
+void dispatch_copy(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& copy,
+                   const AdamHyper& h) {
+  float* p = param.data_ptr<float>();
+  const GradT* g = static_cast<const GradT*>(grad.const_data_ptr());
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  const int64_t n = param.numel();
+  if (!copy.has_value()) {
+    adam_tensor(AdamArrays<GradT, NoCopy>{p, g, m, v, nullptr}, n, h);
+  } else if (copy->scalar_type() == at::kBFloat16) {
+    auto* out = static_cast<c10::BFloat16*>(copy->data_ptr());
+    adam_tensor(AdamArrays<GradT, c10::BFloat16>{p, g, m, v, out}, n, h);
+  } else {
+    auto* out = static_cast<c10::Half*>(copy->data_ptr());
+    adam_tensor(AdamArrays<GradT, c10::Half>{p, g, m, v, out}, n, h);
+  }
+}
+
+void check_flat(const at::Tensor& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), "cpu_adam: ", what, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "cpu_adam: ", what, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "cpu_adam: ", what, " has ", t.numel(),
+              " elements, param has ", numel);
+}
+
+}  // namespace
+
+// One Adam step on one parameter; `step` is the 1-based step count after this update.
+void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& copy,
+               int64_t step, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw) {
+  const int64_t n = param.numel();
+  check_flat(param, "param", n);
+  check_flat(grad, "grad", n);
+  check_flat(exp_avg, "exp_avg", n);
+  check_flat(exp_avg_sq, "exp_avg_sq", n);
+  TORCH_CHECK(param.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
+                  exp_avg_sq.scalar_type() == at::kFloat,
+              "cpu_adam: param, exp_avg and exp_avg_sq must be float32");
+  TORCH_CHECK(step >= 1, "cpu_adam: step must be >= 1, got ", step);
+  if (copy.has_value()) {
+    check_flat(*copy, "copy target", n);
+    TORCH_CHECK(copy->scalar_type() == at::kBFloat16 || copy->scalar_type() == at::kHalf,
+                "cpu_adam: copy target must be bfloat16 or float16, got ", copy->scalar_type());
+  }
+  const AdamHyper h = make_adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw);
+  switch (grad.scalar_type()) {
+    case at::kFloat: return dispatch_copy<float>(param, grad, exp_avg, exp_avg_sq, copy, h);
+    case at::kBFloat16:
+      return dispatch_copy<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, copy, h);
+    case at::kHalf: return dispatch_copy<c10::Half>(param, grad, exp_avg, exp_avg_sq, copy, h);
+    default: TORCH_CHECK(false, "cpu_adam: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
+}  // namespace ze
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zeroengine CPU Adam/AdamW step";
+  // The GIL is released so the engine can overlap the step with other Python work.
+  m.def("adam_step", &ze::adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("copy"), py::arg("step"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("adamw"), py::call_guard<py::gil_scoped_release>());
+  m.def("simd_level", &ze::simd_level, "SIMD instruction set this build uses");
+}

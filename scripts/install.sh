@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install zeroengine and what it needs into the current Python environment.
+# torch is installed only when missing: 2.13.0 is the CPU build this project is
+# developed on; any torch in [2.4, 2.15) (e.g. 2.11 on the GPU machines) is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "[install] torch not found: installing torch==2.13.0"
+  "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+"$PY" -m pip install --quiet -e ".[test]"

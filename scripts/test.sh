@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command (the README's and CI's): install, then run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+PY=${PYTHON:-python3}
+exec "$PY" -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,0 +1,76 @@
+"""The comm module: counted collectives and the collective-sequence checker."""
+import torch
+
+from zeroengine import comm
+from zeroengine.testing import run_distributed
+
+
+def _collectives_and_counts(rank, world):
+    comm.counters.reset()
+    t = torch.full((10,), float(rank + 1))
+    comm.all_reduce(t)
+    out = torch.empty(10 * world)
+    comm.all_gather(out, torch.full((10,), float(rank)))
+    shard = torch.empty(10)
+    comm.reduce_scatter(shard, torch.ones(10 * world))
+    b = torch.full((4,), float(rank))
+    comm.broadcast(b, src=0)
+    return t.tolist(), out.tolist(), shard.tolist(), b.tolist(), comm.counters.snapshot()
+
+
+def test_collectives_results_and_byte_counts():
+    world = 2
+    for rank, (t, out, shard, b, counts) in enumerate(run_distributed(_collectives_and_counts, world)):
+        assert t == [3.0] * 10
+        assert out == [0.0] * 10 + [1.0] * 10
+        assert shard == [2.0] * 10
+        assert b == [0.0] * 4
+        assert counts["all_reduce"] == {"calls": 1, "payload_bytes": 40, "wire_bytes": 2 * 40 * (world - 1) / world}
+        assert counts["all_gather"]["payload_bytes"] == 80 and counts["all_gather"]["wire_bytes"] == 40
+        assert counts["reduce_scatter"]["payload_bytes"] == 80 and counts["reduce_scatter"]["wire_bytes"] == 40
+        assert counts["broadcast"]["calls"] == 1
+
+
+def _mismatched_ops(rank, world):
+    comm.enable_sequence_check(timeout_s=20)
+    t = torch.ones(8)
+    try:
+        if rank == 0:
+            comm.all_reduce(t)
+        else:
+            comm.broadcast(t, src=0)
+    except comm.CollectiveMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_sequence_check_names_ranks_ops_and_call_sites():
+    for msg in run_distributed(_mismatched_ops, 2):
+        assert msg is not None
+        assert "rank 0: all_reduce(float32[8]) at test_comm.py" in msg
+        assert "rank 1: broadcast(float32[8]) at test_comm.py" in msg
+
+
+def _skipped_collective(rank, world):
+    comm.enable_sequence_check(timeout_s=3)
+    t = torch.ones(4)
+    comm.all_reduce(t)  # both ranks reach this one
+    if rank == 1:
+        return None  # rank 1 skips the next collective (a rank-dependent code path)
+    try:
+        comm.all_reduce(t)
+    except comm.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_sequence_check_reports_a_rank_that_never_arrives():
+    msg = run_distributed(_skipped_collective, 2)[0]
+    assert "ranks [1] never issued it" in msg
+    assert "rank 1: last collective reached: #0 all_reduce(float32[4])" in msg
+
+
+def test_ring_wire_bytes_formulas():
+    assert comm.ring_wire_bytes("all_reduce", 100, 4) == 150
+    assert comm.ring_wire_bytes("all_gather", 100, 4) == 75
+    assert comm.ring_wire_bytes("reduce_scatter", 100, 1) == 0

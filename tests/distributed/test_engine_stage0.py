@@ -1,0 +1,131 @@
+"""Stage-0 engine behaviour beyond parity: accumulation, fp16 overflow, memory and comm accounting."""
+import pytest
+import torch
+
+import zeroengine
+from parity import base_config, global_batches, make_model
+from zeroengine import comm
+from zeroengine.testing import run_distributed
+
+
+def _numel(model):
+    return sum(p.numel() for p in model.parameters())  # parameters() yields the tied weight once
+
+
+def _no_comm_between_boundaries(rank, world):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=base_config(2, 3, world, clip=1.0))
+    psi = _numel(engine.module)
+    counts = []
+    for micro_step in global_batches(1, 3, world, 2)[0]:
+        comm.counters.reset()
+        x, y = micro_step[rank]
+        engine.backward(engine(x, y))
+        engine.step()
+        counts.append(comm.counters.snapshot())
+    return psi, counts
+
+
+def test_accumulation_communicates_only_at_the_boundary():
+    world = 2
+    for psi, counts in run_distributed(_no_comm_between_boundaries, world):
+        assert counts[0] == {} and counts[1] == {}
+        # the boundary all-reduces every gradient exactly once: 2*Psi*(N-1)/N fp32 elements on the wire
+        assert counts[2]["all_reduce"]["payload_bytes"] == 4 * psi
+        assert counts[2]["all_reduce"]["wire_bytes"] == pytest.approx(4 * 2 * psi * (world - 1) / world)
+
+
+def _memory(rank, world, dtype):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=base_config(2, 1, world, 0.0, dtype=dtype))
+    psi = _numel(engine.module)
+    for step in global_batches(2, 1, world, 2):
+        x, y = step[0][rank]
+        engine.backward(engine(x, y))
+        before_step = engine.memory_breakdown()  # gradients are alive here
+        engine.step()
+    return psi, before_step
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_memory_breakdown_matches_design_formula(dtype):
+    psi, mem = run_distributed(_memory, 2, dtype)[0]
+    width = 4 if dtype == "fp32" else 2
+    assert mem["params"] == width * psi
+    assert mem["grads"] == width * psi
+    assert mem["master_params"] == (0 if dtype == "fp32" else 4 * psi)
+    assert mem["optimizer_states"] == 8 * psi
+    total = sum(mem[k] for k in ("params", "grads", "optimizer_states", "master_params"))
+    assert total == 16 * psi  # DESIGN.md: stage 0 holds 16 bytes per parameter in both precisions
+    assert mem["cpu"] == total + mem["buffers"] and mem["device"] == 0
+
+
+def _fp16_overflow(rank, world):
+    cfg = base_config(2, 1, world, 1.0, dtype="fp16")
+    cfg["fp16"].update({"initial_scale_power": 30, "hysteresis": 1})
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    x, y = global_batches(1, 1, world, 2)[0][0][rank]
+    loss = engine(x, y)
+    if rank == 1:
+        loss = loss * float("inf")  # only rank 1 overflows; everyone must skip
+    engine.backward(loss)
+    engine.step()
+    unchanged = all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    return engine.skipped_steps, engine.loss_scale, unchanged, engine.global_steps
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale_on_every_rank():
+    results = run_distributed(_fp16_overflow, 2)
+    assert results[0] == results[1]
+    skipped, scale, unchanged, steps = results[0]
+    assert skipped == 1 and unchanged and steps == 1
+    assert scale == 2.0**29
+
+
+def test_world_of_one_without_a_launcher_and_callable_optimizer():
+    cfg = base_config(4, 1, 1, clip=0.0)
+    del cfg["optimizer"]
+    engine, opt, loader, sched = zeroengine.initialize(
+        model=make_model(), config=cfg, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert engine.world_size == 1 and loader is None and sched is None
+    x, y = global_batches(1, 1, 1, 4)[0][0][0]
+    first = engine(x, y)
+    for _ in range(5):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    assert loss.item() < first.item()
+    assert isinstance(opt.optimizer, torch.optim.SGD)
+
+
+def test_optimizer_in_config_and_argument_is_refused():
+    with pytest.raises(zeroengine.ConfigError, match="optimizer"):
+        zeroengine.initialize(model=make_model(), config=base_config(4, 1, 1, 0.0),
+                              optimizer=torch.optim.SGD(make_model().parameters(), lr=0.1))
+
+
+def _scheduler_and_loader(rank, world):
+    cfg = base_config(2, 1, world, 0.0)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                        "warmup_num_steps": 4, "warmup_type": "linear"}}
+    tokens = torch.randint(64, (20, 16))
+    tokens[:, 0] = torch.arange(20)  # the first token names the sample, so shards can be compared
+    data = torch.utils.data.TensorDataset(tokens, torch.randint(64, (20, 16)))
+    engine, _, loader, sched = zeroengine.initialize(model=make_model(), config=cfg, training_data=data)
+    lrs = [engine.get_lr()[0]]
+    seen = []
+    for x, y in loader:
+        seen.extend(x[:, 0].tolist())
+        engine.backward(engine(x, y))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    return lrs, seen, len(loader)
+
+
+def test_config_scheduler_steps_per_optimizer_step_and_loader_shards_data():
+    (lrs0, seen0, n0), (lrs1, seen1, n1) = run_distributed(_scheduler_and_loader, 2)
+    assert n0 == n1 == 5  # 20 samples / 2 ranks / micro 2
+    assert lrs0 == lrs1
+    # DeepSpeed's WarmupLR: the first optimizer step runs at iteration 0 (lr = min), and each
+    # engine.step() advances one iteration: linear warmup of 0.01/4 per step.
+    assert lrs0 == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01])
+    assert sorted(seen0 + seen1) == list(range(20))  # each sample read by exactly one rank

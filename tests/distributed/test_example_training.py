@@ -1,0 +1,38 @@
+"""End to end: the example GPT trains through the launcher, on one node and on two 'nodes' on loopback."""
+import os
+import subprocess
+import sys
+
+from zeroengine.testing import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = [os.path.join(REPO, "examples", "gpt", "train.py"), "--zeroengine_config",
+         os.path.join(REPO, "examples", "gpt", "config.json"), "--n_layer", "2", "--n_embd", "64", "--steps", "20"]
+LAUNCHER = [sys.executable, "-m", "zeroengine.launcher.main"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def test_example_trains_on_two_processes():
+    port = str(free_port())
+    out = subprocess.run(LAUNCHER + ["--num_procs", "2", "--master_port", port] + TRAIN,
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "world 2" in text and "done: 20 steps" in text, text[-3000:]
+    assert "tokens/s" in text and "memory per rank" in text
+
+
+def test_two_node_launchers_on_loopback_form_one_world_of_four():
+    port = str(free_port())
+    common = ["--num_nodes", "2", "--num_procs", "2", "--master_addr", "127.0.0.1", "--master_port", port]
+    nodes = [subprocess.Popen(LAUNCHER + common + ["--node_rank", str(i)] + TRAIN, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO) for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs
+    assert "world 4" in outputs[0] and "done: 20 steps" in outputs[0], outputs[0][-3000:]

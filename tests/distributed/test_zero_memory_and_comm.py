@@ -1,0 +1,62 @@
+"""Stages 1 and 2: memory_breakdown() against DESIGN.md's formulas, and bytes on the wire per step."""
+import pytest
+
+import zeroengine
+from parity import base_config, global_batches, make_model
+from zeroengine import comm
+from zeroengine.testing import run_distributed
+
+# DESIGN.md, model states per rank in bytes per parameter: (replicated, sharded over N)
+FORMULA = {
+    ("fp32", 1): (8, 8), ("fp32", 2): (4, 12),
+    ("bf16", 1): (4, 12), ("bf16", 2): (2, 14),
+}
+
+
+def _measure(rank, world, stage, dtype):
+    cfg = base_config(2, 1, world, clip=1.0, dtype=dtype, stage=stage)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 20_000
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    psi = sum(p.numel() for p in engine.module.parameters())
+    layout = engine.optimizer.layout
+    wire = None
+    for step in global_batches(2, 1, world, 2):
+        comm.counters.reset()
+        x, y = step[0][rank]
+        engine.backward(engine(x, y))
+        mem = engine.memory_breakdown()  # after backward, before step: gradients are held
+        engine.step()
+        wire = comm.counters.snapshot()
+    return psi, layout.total_numel, len(layout.buckets), mem, wire
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_breakdown_matches_design_formula(stage, dtype, world):
+    psi, padded, _, mem, _ = run_distributed(_measure, world, stage, dtype)[0]
+    replicated, sharded = FORMULA[(dtype, stage)]
+    model_states = sum(mem[k] for k in ("params", "grads", "optimizer_states", "master_params"))
+    formula = replicated * psi + sharded * psi / world
+    assert abs(model_states - formula) <= 0.05 * formula, (model_states, formula)
+    # and exactly, with the layout's alignment padding counted
+    width = 4 if dtype == "fp32" else 2
+    assert mem["params"] == width * padded
+    assert mem["grads"] == (width * padded if stage == 1 else width * padded // world)
+    assert mem["master_params"] == (0 if dtype == "fp32" else 4 * padded // world)
+    assert mem["optimizer_states"] <= 8 * padded // world  # padding is never stepped, so it has no state
+    assert mem["optimizer_states"] >= 8 * psi // world - 8 * (padded - psi)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bytes_on_the_wire_equal_plain_data_parallel(stage):
+    world = 2
+    psi, padded, buckets, _, wire = run_distributed(_measure, world, stage, "fp32")[0]
+    # one reduce-scatter and one all-gather of every (padded) bucket per step ...
+    assert wire["reduce_scatter"]["calls"] == wire["all_gather"]["calls"] == buckets
+    sharded_bytes = wire["reduce_scatter"]["wire_bytes"] + wire["all_gather"]["wire_bytes"]
+    assert sharded_bytes == pytest.approx(4 * 2 * padded * (world - 1) / world)
+    # ... which is plain data parallel's 2Ψ(N-1)/N elements, up to < N*align padding per bucket
+    assert 0 <= padded - psi < buckets * world * 16
+    # the only other traffic is the one-number gradient-norm reduction
+    assert wire["all_reduce"]["calls"] == 1 and wire["all_reduce"]["payload_bytes"] == 8

@@ -1,0 +1,115 @@
+"""Exact ssh / pdsh / srun command lines for a sample hostfile, and env exports."""
+import pytest
+
+from zeroengine.launcher.commands import (JobSpec, collect_exports, find_env_files,
+                                         parse_env_file, pdsh_command, slurm_command,
+                                         slurm_command_for_layout, ssh_commands, user_argv)
+from zeroengine.launcher.hostfile import parse_hostfile_text, world_layout
+from zeroengine.launcher.local import (plan_from_layout, plan_uniform, rank_env_vars,
+                                      visible_devices)
+
+HOSTFILE = "worker-0 slots=2\nworker-1 slots=2\n"
+LAYOUT = world_layout(parse_hostfile_text(HOSTFILE))
+JOB = JobSpec(script="train.py", script_args=("--deepspeed_config", "ds config.json"),
+              master_addr="worker-0", master_port=29500, cwd="/home/me/proj",
+              python="/opt/py/bin/python", exports={"PYTHONPATH": "/home/me/lib",
+                                                   "NCCL_DEBUG": "INFO"})
+NODE_CMD = ("/opt/py/bin/python -u -m zeroengine.launcher.main --launcher local "
+            "--world_layout worker-0:0,1@worker-1:0,1 {node} --master_addr worker-0 "
+            "--master_port 29500{extra} train.py --deepspeed_config 'ds config.json'")
+PREFIX = "cd /home/me/proj && export PYTHONPATH=/home/me/lib NCCL_DEBUG=INFO && "
+
+
+def test_ssh_commands():
+    commands = ssh_commands(LAYOUT, JOB)
+    assert [c.name for c in commands] == ["node 0 (worker-0)", "node 1 (worker-1)"]
+    for i, command in enumerate(commands):
+        assert command.argv == (
+            "ssh", "-o", "BatchMode=yes", f"worker-{i}",
+            PREFIX + NODE_CMD.format(node=f"--node_rank {i}", extra=" --watch_stdin"))
+        assert command.hold_stdin and not command.env
+
+
+def test_pdsh_command():
+    command = pdsh_command(LAYOUT, JOB)
+    assert command.argv == (
+        "pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1",
+        PREFIX + NODE_CMD.format(node="--node_host %h", extra=""))
+    assert command.env == {"PDSH_RCMD_TYPE": "ssh"}
+
+
+def test_pdsh_escapes_percent_and_passes_flags():
+    job = JobSpec(script="pkg.train", script_args=("--lr=50%",), module=True,
+                  master_addr="worker-0", cwd="/w", python="py", grace_period=2.5,
+                  pass_local_rank=True)
+    assert pdsh_command(LAYOUT, job).argv[-1] == (
+        "cd /w && py -u -m zeroengine.launcher.main --launcher local --world_layout "
+        "worker-0:0,1@worker-1:0,1 --node_host %h --master_addr worker-0 --master_port "
+        "29500 --grace_period 2.5 --module --pass_local_rank pkg.train --lr=50%%")
+
+
+def test_slurm_commands():
+    command = slurm_command_for_layout(LAYOUT, JOB)
+    assert command.argv == (
+        "srun", "--nodes", "2", "--ntasks-per-node", "2", "--kill-on-bad-exit=1",
+        "--nodelist", "worker-0,worker-1", "/opt/py/bin/python", "-u", "train.py",
+        "--deepspeed_config", "ds config.json")
+    assert command.env == {"PYTHONPATH": "/home/me/lib", "NCCL_DEBUG": "INFO",
+                           "MASTER_ADDR": "worker-0", "MASTER_PORT": "29500"}
+    bare = slurm_command(JobSpec(script="t.py", python="py"), num_nodes=4, procs_per_node=8)
+    assert bare.argv == ("srun", "--nodes", "4", "--ntasks-per-node", "8",
+                         "--kill-on-bad-exit=1", "py", "-u", "t.py")
+    assert bare.env == {"MASTER_PORT": "29500"}  # ranks take the first SLURM node
+    uneven = world_layout(parse_hostfile_text("a slots=2\nb slots=1\n"))
+    with pytest.raises(ValueError, match="same number of processes.*a=2, b=1"):
+        slurm_command_for_layout(uneven, JOB)
+
+
+def test_user_argv():
+    assert user_argv(JobSpec(script="t.py", script_args=("x",), python="py")) == \
+        ["py", "-u", "t.py", "x"]
+    assert user_argv(JobSpec(script="m", module=True, python="py", pass_local_rank=True),
+                     local_rank=3) == ["py", "-u", "-m", "m", "--local_rank=3"]
+    assert user_argv(JobSpec(script="./run.sh", no_python=True, script_args=("x",))) == \
+        ["./run.sh", "x"]
+
+
+def test_exports(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "proj"
+    home.mkdir(), cwd.mkdir()
+    (home / ".zeroengine_env").write_text("A=home\nB=home\n")
+    (cwd / ".zeroengine_env").write_text("# comment\n\nexport B=proj value\nC=x=y\n")
+    files = find_env_files(str(cwd), str(home))
+    environ = {"PYTHONPATH": "/p", "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "eth0",
+               "HOME": "/root", "A": "env"}
+    assert collect_exports(environ, files) == {
+        "PYTHONPATH": "/p", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1",
+        "A": "home", "B": "proj value", "C": "x=y"}
+    with pytest.raises(ValueError, match="f, line 2: expected KEY=VALUE"):
+        parse_env_file("A=1\nnot a pair\n", "f")
+
+
+def test_node_plans_and_rank_env():
+    plan = plan_from_layout({"a": [0, 1, 2], "b": [1, 3]}, node_rank=1,
+                            master_addr="a", master_port=7)
+    assert (plan.first_rank, plan.world_size, plan.slots) == (3, 5, (1, 3))
+    env = rank_env_vars(plan, 1, {})
+    assert env == {"RANK": "4", "LOCAL_RANK": "1", "WORLD_SIZE": "5",
+                   "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "NODE_RANK": "1",
+                   "MASTER_ADDR": "a", "MASTER_PORT": "7", "CUDA_VISIBLE_DEVICES": "1,3",
+                   "OMP_NUM_THREADS": "1"}
+    plan = plan_uniform(num_nodes=2, node_rank=1, num_procs=2, master_addr="m",
+                        master_port=1)
+    assert (plan.first_rank, plan.world_size, plan.slots) == (2, 4, (0, 1))
+    assert "CUDA_VISIBLE_DEVICES" not in rank_env_vars(plan, 0, {})
+    assert rank_env_vars(plan, 0, {"OMP_NUM_THREADS": "4"}).get("OMP_NUM_THREADS") is None
+    with pytest.raises(ValueError, match="out of range"):
+        plan_from_layout({"a": [0]}, node_rank=1, master_addr="a", master_port=1)
+
+
+def test_visible_devices():
+    assert visible_devices([0, 1], {}) is None
+    assert visible_devices([1, 3], {}) == "1,3"
+    assert visible_devices([1, 3], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5,7"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        visible_devices([2], {"CUDA_VISIBLE_DEVICES": "4,5"})

@@ -1,0 +1,30 @@
+"""zeroengine.comm: process groups, counted collectives, and the collective-sequence checker."""
+from .backend import (
+    default_backend,
+    device_for_backend,
+    disable_sequence_check,
+    enable_sequence_check,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    sequence_check_requested,
+)
+from .collectives import (
+    ReduceOp,
+    all_gather,
+    all_reduce,
+    all_reduce_scalar,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
+from .counters import CommCounters, counters, ring_wire_bytes
+from .sequence_check import CollectiveMismatchError
+
+__all__ = [
+    "CollectiveMismatchError", "CommCounters", "ReduceOp", "all_gather", "all_reduce", "all_reduce_scalar",
+    "all_to_all_single", "barrier", "broadcast", "counters", "default_backend", "device_for_backend",
+    "disable_sequence_check", "enable_sequence_check", "get_rank", "get_world_size", "init_distributed",
+    "reduce_scatter", "ring_wire_bytes", "sequence_check_requested",
+]

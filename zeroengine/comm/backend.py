@@ -1,0 +1,92 @@
+"""Process-group setup: the one place that decides backend, rank and timeout.
+
+``init_distributed`` reads the rank environment the launcher, torchrun, SLURM
+or OpenMPI set (see :mod:`zeroengine.launcher.rank_env`); without one it forms
+a world of one, so a plain ``python train.py`` works unchanged.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .sequence_check import CollectiveSequenceChecker
+
+# Collectives give up after this long instead of hanging forever when a peer
+# died; torch's own default (30 min for gloo) is far too patient for a job
+# whose launcher is already tearing the world down.
+DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROENGINE_COMM_TIMEOUT", 600))
+
+
+class _State:
+    checker: CollectiveSequenceChecker | None = None
+
+
+state = _State()
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Initialise torch.distributed once, from the launcher's environment or as a world of 1."""
+    if dist.is_initialized():
+        return
+    from zeroengine.launcher.rank_env import detect_rank_env
+
+    env = detect_rank_env()
+    if env is None:
+        rank, world, addr, port = 0, 1, "127.0.0.1", _free_port()
+    else:
+        rank, world, addr, port = env.rank, env.world_size, env.master_addr, env.master_port
+        if torch.cuda.is_available():
+            torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    backend = backend or default_backend()
+    timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+
+
+def enable_sequence_check(timeout_s: float = 60.0) -> None:
+    """Turn on the collective-sequence checker (debug mode) for this process."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    state.checker = CollectiveSequenceChecker(_get_default_store(), dist.get_rank(), timeout_s)
+
+
+def disable_sequence_check() -> None:
+    state.checker = None
+
+
+def sequence_check_requested() -> bool:
+    return os.environ.get("ZEROENGINE_COMM_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def device_for_backend() -> torch.device:
+    """Where collective buffers must live: the current CUDA device for NCCL, CPU for gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,102 @@
+"""DeepSpeed's deprecated and alternative spellings, rewritten to the current keys.
+
+Old configs keep working: each spelling below is rewritten in the raw dict
+before validation, so the models only know the current names. Giving both the
+old and the new spelling is an error (which one would win is a guess).
+The table ``LEGACY_KEYS`` also feeds the generated reference and the
+"did you mean" suggestions.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple
+
+from .errors import ConfigError, describe, join_path
+
+
+class LegacyKey(NamedTuple):
+    section: str   # dotted path of the object holding the key ("" = top level)
+    old: str
+    new: str       # the current key, as a dotted path from the top level
+    note: str = ""
+
+
+_ZERO = "zero_optimization"
+
+LEGACY_KEYS: List[LegacyKey] = [
+    LegacyKey("", "bfloat16", "bf16"),
+    LegacyKey("", "csv_monitor", "monitor.csv"),
+    LegacyKey("", "tensorboard", "monitor.tensorboard"),
+    LegacyKey("", "zero_optimization", "zero_optimization.stage",
+              "the old boolean form: true is stage 1, false stage 0"),
+    LegacyKey(_ZERO, "stage3_gather_fp16_weights_on_model_save",
+              "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+    LegacyKey(_ZERO, "cpu_offload", "zero_optimization.offload_optimizer", "true is {\"device\": \"cpu\"}"),
+    LegacyKey(_ZERO, "cpu_offload_params", "zero_optimization.offload_param", "true is {\"device\": \"cpu\"}"),
+    LegacyKey(_ZERO, "cpu_offload_param", "zero_optimization.offload_param", "true is {\"device\": \"cpu\"}"),
+    LegacyKey(_ZERO, "cpu_offload_use_pin_memory", "pin_memory", "of the offload blocks made by the two keys above"),
+]
+
+
+def legacy_keys_at(section: str) -> List[str]:
+    """Old spellings accepted directly under ``section`` (for suggestions)."""
+    return [entry.old for entry in LEGACY_KEYS if entry.section == section]
+
+
+def apply_legacy_keys(data: Dict[str, Any]) -> None:
+    """Rewrite old spellings in ``data`` (the raw top-level dict) in place."""
+    _move(data, "", "bfloat16", data, "bf16")
+    if "csv_monitor" in data or "tensorboard" in data:
+        monitor = data.setdefault("monitor", {})
+        if isinstance(monitor, dict):
+            _move(data, "", "csv_monitor", monitor, "csv", new_path="monitor.csv")
+            _move(data, "", "tensorboard", monitor, "tensorboard", new_path="monitor.tensorboard")
+    zero = data.get("zero_optimization")
+    if isinstance(zero, bool):
+        # DeepSpeed's first format: "zero_optimization": true meant stage 1.
+        data["zero_optimization"] = {"stage": 1 if zero else 0}
+    elif isinstance(zero, dict):
+        _move(zero, "zero_optimization", "stage3_gather_fp16_weights_on_model_save",
+              zero, "stage3_gather_16bit_weights_on_model_save")
+        _cpu_offload_flags(zero)
+
+
+def _move(src: dict, section: str, old: str, dst: dict, new: str, new_path: str = "") -> None:
+    if old not in src:
+        return
+    new_path = new_path or join_path(section, new)
+    if new in dst:
+        raise ConfigError(new_path, f"given twice: as '{new_path}' and as its deprecated spelling "
+                                    f"'{join_path(section, old)}'; keep only '{new_path}'")
+    dst[new] = src.pop(old)
+
+
+def _cpu_offload_flags(zero: dict) -> None:
+    """``cpu_offload``, ``cpu_offload_param(s)``, ``cpu_offload_use_pin_memory`` → offload blocks."""
+    made = []
+    for old, block in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param"),
+                       ("cpu_offload_param", "offload_param")):
+        if old not in zero:
+            continue
+        path = join_path("zero_optimization", old)
+        enabled = _flag(zero.pop(old), path)
+        if not enabled:
+            continue
+        if block in zero:
+            raise ConfigError(join_path("zero_optimization", block),
+                              f"given twice: as '{block}' and as the deprecated '{old}: true'; keep only '{block}'")
+        zero[block] = {"device": "cpu"}
+        made.append(block)
+    if "cpu_offload_use_pin_memory" in zero:
+        path = "zero_optimization.cpu_offload_use_pin_memory"
+        pin = _flag(zero.pop("cpu_offload_use_pin_memory"), path)
+        if pin and not made:
+            raise ConfigError(path, "only applies with cpu_offload / cpu_offload_params: true; "
+                                    "set pin_memory in offload_optimizer / offload_param instead")
+        for block in made:
+            zero[block]["pin_memory"] = pin
+
+
+def _flag(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(path, f"expected true or false, got {describe(value)}")
+    return value

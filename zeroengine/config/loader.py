@@ -1,0 +1,124 @@
+"""load_config: from a file, a dict or a config object to a resolved ZeroEngineConfig.
+
+The steps, in order, each in its own module:
+
+1. read the source (every file is parsed as HJSON, a superset of JSON, so
+   comments and trailing commas work in ``.json`` files too);
+2. rewrite DeepSpeed's deprecated spellings (``legacy.py``);
+3. drop switched-off DeepSpeed features zeroengine lacks, reject switched-on
+   ones (``unsupported.py``);
+4. resolve "auto" (``auto.py``; the batch keys in step 6);
+5. validate against the models, translating pydantic errors (``translate.py``);
+6. derive the batch sizes for the world size (``batch.py``).
+
+Every failure is a ConfigError naming the key path and, for files, the file.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import hjson
+
+from .auto import resolve_auto
+from .batch import resolve_batch, take_auto_batch_keys
+from .errors import ConfigError
+from .legacy import apply_legacy_keys
+from .root import ZeroEngineConfig
+from .translate import validate
+from .unsupported import drop_unsupported_features
+
+ConfigSource = Union[str, "os.PathLike[str]", Dict[str, Any], ZeroEngineConfig]
+
+
+def load_config(source: ConfigSource, world_size: int = 1, hidden_size: Optional[int] = None) -> ZeroEngineConfig:
+    """Load and resolve a config for a data-parallel world of ``world_size`` ranks.
+
+    ``source``: path to a JSON/HJSON file, a dict, or a ZeroEngineConfig (which
+    is re-resolved from the input it was built from, e.g. for another world
+    size). ``hidden_size``: the model's hidden size, used to resolve "auto"
+    bucket sizes; a config object keeps the one it was first resolved with.
+    """
+    _check_positive_int("world_size", world_size, allow_none=False)
+    _check_positive_int("hidden_size", hidden_size, allow_none=True)
+    origin = None
+    if isinstance(source, ZeroEngineConfig):
+        data = source._source_data if source._source_data is not None else source.model_dump(exclude_unset=True)
+        if hidden_size is None:
+            hidden_size = source._hidden_size
+    elif isinstance(source, dict):
+        data = source
+    elif isinstance(source, (str, os.PathLike)):
+        origin = os.fspath(source)
+        data = read_config_file(origin)
+    else:
+        raise ConfigError("", "the config must be a path to a JSON/HJSON file, a dict or a ZeroEngineConfig, "
+                              f"got {type(source).__name__}")
+    try:
+        return build_config(data, world_size, hidden_size)
+    except ConfigError as error:
+        raise error.with_source(origin) from None
+
+
+def build_config(data: Dict[str, Any], world_size: int = 1, hidden_size: Optional[int] = None) -> ZeroEngineConfig:
+    """Steps 2-6 of the module docstring on an already-parsed config (which is not modified)."""
+    if not isinstance(data, dict):
+        raise ConfigError("", f"the config must be a JSON object ({{...}}), got {type(data).__name__}")
+    work = copy.deepcopy(data)
+    apply_legacy_keys(work)
+    drop_unsupported_features(work)
+    any_auto_batch = take_auto_batch_keys(work)
+    resolve_auto(work, hidden_size)
+    cfg = validate(ZeroEngineConfig, work)
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = resolve_batch(
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+        world_size, any_auto=any_auto_batch)
+    cfg._source_data = copy.deepcopy(data)
+    cfg._hidden_size = hidden_size
+    return cfg
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _reject_duplicates(pairs: list) -> dict:
+    # JSON parsers keep the last of two equal keys; the first one would be silently ignored.
+    result: dict = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    """Parse a JSON or HJSON config file into a dict; ConfigError (with line and column) if malformed."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        hint = "; to pass JSON text, pass json.loads(text) instead" if str(path).lstrip().startswith("{") else ""
+        raise ConfigError("", f"config file not found: {path}{hint}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("", f"cannot read config file {path}: {error}") from None
+    try:
+        data = hjson.loads(text, object_pairs_hook=_reject_duplicates)
+    except hjson.HjsonDecodeError as error:
+        raise ConfigError("", f"{path}, line {error.lineno}, column {error.colno}: malformed JSON/HJSON: "
+                              f"{error.msg}") from None
+    except _DuplicateKey as error:
+        raise ConfigError("", f"{path}: key '{error.args[0]}' appears twice in the same object; "
+                              "remove one of them") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: the config must be a JSON object ({{...}}), got {type(data).__name__}")
+    return data
+
+
+def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, f"load_config({name}=...) must be a positive int, got {value!r}")

@@ -1,0 +1,109 @@
+"""ZeroEngineConfig: the whole config, as the engine reads it.
+
+Attributes are DeepSpeed's key names (``cfg.train_batch_size``,
+``cfg.zero_optimization.stage``). Build it with ``load_config``: that applies
+the deprecated spellings, "auto" and the batch-size triangle, which this model
+alone does not (it only checks the keys and their types).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
+
+from .base import ConfigModel, NonNegativeFloat, PositiveFloat, PositiveInt, rule_error
+from .errors import ConfigError
+from .sections.activation_checkpointing import ActivationCheckpointingConfig
+from .sections.checkpoint import CheckpointConfig
+from .sections.monitor import MonitorConfig
+from .sections.optimizer import OptimizerConfig
+from .sections.precision import BF16Config, FP16Config
+from .sections.scheduler import SchedulerConfig
+from .sections.zero import ZeroConfig
+from .translate import problems_from
+
+_BATCH = " Any two of train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps " \
+         "determine the third (see 'Batch size')."
+
+
+class ZeroEngineConfig(ConfigModel):
+    """A complete, validated zeroengine (DeepSpeed-compatible) config."""
+
+    train_batch_size: Optional[PositiveInt] = Field(
+        None, description="Samples per optimizer step, over all data-parallel ranks." + _BATCH)
+    train_micro_batch_size_per_gpu: Optional[PositiveInt] = Field(
+        None, description="Samples per forward/backward on one rank." + _BATCH)
+    gradient_accumulation_steps: Optional[PositiveInt] = Field(
+        None, description="Micro-batches accumulated per optimizer step." + _BATCH)
+    gradient_clipping: NonNegativeFloat = Field(
+        0.0, description="Clip the global gradient norm to this value; 0 disables clipping.")
+    steps_per_print: PositiveInt = Field(10, description="Log progress every this many optimizer steps.")
+    wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step, and log the "
+                                                          "breakdown every steps_per_print steps.")
+    dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch of the dataloader "
+                                                          "that initialize() builds from training_data.")
+    optimizer: Optional[OptimizerConfig] = Field(None, description="Optimizer to build (see 'optimizer').")
+    scheduler: Optional[SchedulerConfig] = Field(None, description="Learning-rate schedule to build "
+                                                                   "(see 'scheduler').")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 mixed precision (see 'fp16').")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 mixed precision (see 'bf16'); "
+                                                                     "DeepSpeed's old name 'bfloat16' works too.")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig,
+                                          description="ZeRO stage and its options (see 'zero_optimization').")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="Activation recompute options (see 'activation_checkpointing').")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="Checkpoint save/load options (see 'checkpoint').")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig,
+                                   description="Metrics writers (see 'monitor').")
+    zero_allow_untested_optimizer: bool = Field(
+        False, description="Allow a client optimizer other than Adam/AdamW/SGD/CPUAdam with ZeRO stages 1-3.")
+    gradient_predivide_factor: PositiveFloat = Field(
+        1.0, description="Divide gradients by this factor before the reduction and by world/factor after, "
+                         "to avoid fp16 overflow in large worlds.")
+    prescale_gradients: bool = Field(False, description="Divide gradients by the world size before the "
+                                                        "reduction instead of after.")
+    communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = Field(
+        None, description="Dtype of gradient reductions (null: the training dtype).")
+    comm_debug: bool = Field(False, description="zeroengine's own key: record the sequence of collectives on "
+                                                "every rank and fail with a report when ranks diverge, instead "
+                                                "of hanging.")
+
+    # The input this config was built from and the hidden size used for "auto",
+    # so that load_config(cfg, world_size=...) can re-resolve it for another world.
+    _source_data: Optional[dict] = PrivateAttr(default=None)
+    _hidden_size: Optional[int] = PrivateAttr(default=None)
+
+    def __init__(self, **data: Any) -> None:
+        # Direct construction reports problems like load_config does, never as a pydantic error.
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise ConfigError.from_problems(problems_from(error, type(self))) from None
+
+    @model_validator(mode="after")
+    def _one_half_precision(self) -> "ZeroEngineConfig":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise rule_error("both fp16.enabled and bf16.enabled are true; enable at most one of them",
+                             ("fp16", "enabled"))
+        return self
+
+    @property
+    def zero_stage(self) -> int:
+        """``zero_optimization.stage`` as an int."""
+        return int(self.zero_optimization.stage)
+
+    @property
+    def precision_dtype(self):
+        """The training dtype: torch.bfloat16, torch.float16 or torch.float32."""
+        import torch  # deferred: the config package itself does not need torch
+        if self.bf16.enabled:
+            return torch.bfloat16
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.float32
+
+    def to_dict(self) -> dict:
+        """The resolved config as plain JSON data; loads back into an equal config."""
+        return self.model_dump(mode="json")

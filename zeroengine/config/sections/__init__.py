@@ -1,0 +1,1 @@
+"""One module per top-level config section; each defines the pydantic models for it."""

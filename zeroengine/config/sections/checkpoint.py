@@ -1,0 +1,38 @@
+"""``checkpoint``: DeepSpeed's checkpoint options that zeroengine honours.
+
+zeroengine stores shards by parameter name and flat range, so any checkpoint
+loads into any world size and stage; that is why ``load_universal`` needs no
+separate format here. DeepSpeed's writer/parallel-write tuning is listed in
+``unsupported.py``.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from ..base import ConfigModel
+
+TagValidation = Literal["Ignore", "Warn", "Fail"]
+
+
+class CheckpointConfig(ConfigModel):
+    """Checkpoint save/load behaviour."""
+
+    tag_validation: TagValidation = Field(
+        "Warn", description="What to do when ranks save under different tags: 'Ignore', 'Warn' or 'Fail' "
+                            "(any capitalisation).")
+    load_universal: bool = Field(False, description="Accepted for DeepSpeed compatibility: every zeroengine "
+                                                    "checkpoint is already universal (any world, any stage).")
+    use_node_local_storage: bool = Field(False, description="Each node writes and reads its own copy of the "
+                                                            "shared files (for node-local, non-shared disks).")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        # DeepSpeed upper-cases this value before checking it.
+        if isinstance(value, str):
+            for mode in ("Ignore", "Warn", "Fail"):
+                if value.lower() == mode.lower():
+                    return mode
+        return value

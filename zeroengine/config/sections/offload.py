@@ -1,0 +1,46 @@
+"""``zero_optimization.offload_optimizer`` / ``offload_param``: moving model states to CPU memory.
+
+zeroengine offloads to CPU memory only. DeepSpeed's NVMe tier (ZeRO-Infinity)
+is not implemented, so ``device: "nvme"`` is an error rather than a silent
+fallback to CPU; the NVMe-only tuning keys are listed in ``unsupported.py``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from ..base import ConfigModel
+
+OffloadDevice = Literal["cpu", "none"]
+
+
+def _check_device(value: object) -> object:
+    if value == "nvme":
+        raise ValueError("NVMe offload (DeepSpeed's ZeRO-Infinity) is not implemented by zeroengine; "
+                         "use 'cpu', or 'none' for no offload")
+    return value
+
+
+class OffloadOptimizerConfig(ConfigModel):
+    """Keep fp32 master weights and optimizer states in CPU memory and step the optimizer there."""
+
+    device: OffloadDevice = Field(
+        description="'cpu' to offload; 'none' disables offload (the same as leaving the block out). "
+                    "Required: a block without a device would otherwise do nothing.")
+    pin_memory: bool = Field(False, description="Use page-locked CPU buffers, for faster and asynchronous "
+                                                "GPU<->CPU copies (needs CUDA).")
+
+    _device_is_supported = field_validator("device", mode="before")(_check_device)
+
+
+class OffloadParamConfig(ConfigModel):
+    """Keep 16-bit parameter shards in CPU memory between uses (ZeRO stage 3 only)."""
+
+    device: OffloadDevice = Field(
+        description="'cpu' to offload; 'none' disables offload (the same as leaving the block out). "
+                    "Required: a block without a device would otherwise do nothing.")
+    pin_memory: bool = Field(False, description="Use page-locked CPU buffers, for faster and asynchronous "
+                                                "GPU<->CPU copies (needs CUDA).")
+
+    _device_is_supported = field_validator("device", mode="before")(_check_device)

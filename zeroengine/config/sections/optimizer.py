@@ -1,0 +1,146 @@
+"""``optimizer``: ``{type, params}``, with ``params`` checked against the chosen type.
+
+``params`` stays a plain dict holding only the keys the user wrote (after
+"auto" is resolved): the defaults belong to the optimizer constructors in
+``zeroengine.optim``, which apply DeepSpeed's. The per-type models below exist
+to reject unknown or mistyped keys up front and to document each type; their
+defaults are the ones the optimizer factory applies.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Dict, Optional, Tuple, Type
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+
+from ..base import ConfigModel, NonNegativeFloat, rule_error
+from ..errors import closest
+from ..translate import validate_given_keys
+
+
+def _pair(value: Any) -> Any:
+    # JSON has no tuples: betas arrive as a list.
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ValueError(f"expected two numbers [beta1, beta2], got {list(value)!r}")
+        return tuple(value)
+    return value
+
+
+Betas = Annotated[Tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]],
+                  BeforeValidator(_pair)]
+
+_LR = Field(1e-3, description="Learning rate.")
+_BETAS = Field((0.9, 0.999), description="Coefficients [beta1, beta2] of the running averages of the "
+                                         "gradient and its square.")
+_EPS = Field(1e-8, gt=0, description="Term added to the denominator for numerical stability.")
+_WEIGHT_DECAY = Field(0.0, description="Weight decay coefficient.")
+_BIAS_CORRECTION = Field(True, description="Accepted for DeepSpeed compatibility; only true (torch's "
+                                           "behaviour) is supported.")
+
+
+def _require_bias_correction(value: Any) -> Any:
+    if value is False:
+        raise ValueError("bias_correction=false is not supported; remove it")
+    return value
+
+
+class AdamParams(ConfigModel):
+    """``Adam``: DeepSpeed's default adam_w_mode=true makes this decoupled weight decay (AdamW)."""
+
+    lr: NonNegativeFloat = _LR
+    betas: Betas = _BETAS
+    eps: float = _EPS
+    weight_decay: NonNegativeFloat = _WEIGHT_DECAY
+    amsgrad: bool = Field(False, description="Use the AMSGrad variant (torch implementation only).")
+    adam_w_mode: bool = Field(True, description="Decoupled weight decay (AdamW). As in DeepSpeed, true by "
+                                                "default for type Adam; false gives classic Adam with L2 decay.")
+    torch_adam: bool = Field(False, description="Use torch.optim's implementation with torch's own defaults "
+                                                "instead of the fused/CPU kernels.")
+    fused: Optional[bool] = Field(None, description="torch.optim's fused implementation (null: torch decides).")
+    foreach: Optional[bool] = Field(None, description="torch.optim's foreach implementation (null: torch "
+                                                      "decides).")
+    bias_correction: bool = _BIAS_CORRECTION
+
+    _bias = field_validator("bias_correction", mode="before")(_require_bias_correction)
+
+
+class AdamWParams(AdamParams):
+    """``AdamW``: always decoupled weight decay, whatever adam_w_mode says (as in DeepSpeed)."""
+
+
+class SGDParams(ConfigModel):
+    """``SGD``: torch.optim.SGD."""
+
+    lr: NonNegativeFloat = _LR
+    momentum: NonNegativeFloat = Field(0.0, description="Momentum factor.")
+    dampening: NonNegativeFloat = Field(0.0, description="Dampening for momentum.")
+    weight_decay: NonNegativeFloat = _WEIGHT_DECAY
+    nesterov: bool = Field(False, description="Nesterov momentum; needs momentum > 0 and dampening = 0.")
+    fused: Optional[bool] = Field(None, description="torch.optim's fused implementation (null: torch decides).")
+    foreach: Optional[bool] = Field(None, description="torch.optim's foreach implementation (null: torch "
+                                                      "decides).")
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "SGDParams":
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise rule_error("nesterov=true needs momentum > 0 and dampening = 0", ("nesterov",))
+        return self
+
+
+class CPUAdamParams(ConfigModel):
+    """``CPUAdam``: zeroengine's vectorised CPU Adam (the optimizer step of ZeRO-Offload)."""
+
+    lr: NonNegativeFloat = _LR
+    betas: Betas = _BETAS
+    eps: float = _EPS
+    weight_decay: NonNegativeFloat = _WEIGHT_DECAY
+    adam_w_mode: bool = Field(True, description="Decoupled weight decay (AdamW); false gives L2 decay.")
+    adamw_mode: bool = Field(True, description="Spelling of adam_w_mode used by the CPUAdam constructor; "
+                                               "give one of the two.")
+    amsgrad: bool = Field(False, description="Accepted for compatibility; only false is supported.")
+    bias_correction: bool = _BIAS_CORRECTION
+
+    _bias = field_validator("bias_correction", mode="before")(_require_bias_correction)
+
+    @model_validator(mode="after")
+    def _supported_combinations(self) -> "CPUAdamParams":
+        if self.amsgrad:
+            raise rule_error("amsgrad=true is not supported by CPUAdam", ("amsgrad",))
+        both = {"adam_w_mode", "adamw_mode"} <= self.model_fields_set
+        if both and self.adam_w_mode != self.adamw_mode:
+            raise rule_error("adam_w_mode and adamw_mode disagree; give only one of them", ("adamw_mode",))
+        return self
+
+
+OPTIMIZER_PARAMS: Dict[str, Type[ConfigModel]] = {
+    "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams, "CPUAdam": CPUAdamParams,
+}
+
+
+class OptimizerConfig(ConfigModel):
+    """The optimizer zeroengine builds (leave the section out to pass your own to initialize())."""
+
+    type: str = Field(description="One of Adam, AdamW, SGD, CPUAdam (any capitalisation).")
+    params: Dict[str, Any] = Field(default_factory=dict,
+                                   description="Arguments of the optimizer; the keys depend on type (see below).")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value  # strict str validation reports the wrong type
+        for name in OPTIMIZER_PARAMS:
+            if value.lower() == name.lower():
+                return name
+        match = closest(value, OPTIMIZER_PARAMS)
+        hint = f"did you mean '{match}'? " if match else ""
+        raise ValueError(f"unknown optimizer type {value!r}; {hint}valid types: {', '.join(OPTIMIZER_PARAMS)} "
+                         "(or pass your own torch optimizer to zeroengine.initialize)")
+
+    @model_validator(mode="after")
+    def _check_params(self) -> "OptimizerConfig":
+        if "max_grad_norm" in self.params:
+            raise rule_error("max_grad_norm is not an optimizer parameter; use the top-level "
+                             "'gradient_clipping' key (as in DeepSpeed)", ("params", "max_grad_norm"))
+        self.params = validate_given_keys(OPTIMIZER_PARAMS[self.type], self.params, ("optimizer", "params"))
+        return self

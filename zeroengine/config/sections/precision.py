@@ -1,0 +1,38 @@
+"""``fp16`` and ``bf16``: which 16-bit format training runs in, and fp16's loss scaler.
+
+The fp16 keys and defaults are DeepSpeed's, so a DeepSpeed loss-scaler setup
+behaves the same: ``loss_scale: 0`` means dynamic scaling starting at
+``2**initial_scale_power``.
+"""
+from __future__ import annotations
+
+from pydantic import Field
+
+from ..base import ConfigModel, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+
+class FP16Config(ConfigModel):
+    """Mixed precision with float16 parameters/gradients and an fp32 master copy."""
+
+    enabled: bool = Field(False, description="Train in float16 mixed precision (16-bit params and grads, "
+                                             "fp32 master weights and optimizer states).")
+    auto_cast: bool = Field(False, description="Cast floating-point inputs of the model's forward to float16.")
+    loss_scale: NonNegativeFloat = Field(0.0, description="Static loss scale; 0 selects dynamic loss scaling.")
+    initial_scale_power: NonNegativeInt = Field(
+        16, description="Dynamic scaling starts at a loss scale of 2**initial_scale_power.")
+    loss_scale_window: PositiveInt = Field(
+        1000, description="Steps without overflow after which the dynamic loss scale is doubled.")
+    hysteresis: PositiveInt = Field(
+        2, description="Overflows tolerated before the dynamic loss scale is lowered.")
+    consecutive_hysteresis: bool = Field(
+        False, description="Refill the hysteresis budget after every step without overflow, "
+                           "so only consecutive overflows lower the scale.")
+    min_loss_scale: PositiveFloat = Field(1.0, description="Floor for the dynamic loss scale (unused with a static "
+                                                           "loss_scale).")
+
+
+class BF16Config(ConfigModel):
+    """Mixed precision with bfloat16 parameters/gradients; needs no loss scaling."""
+
+    enabled: bool = Field(False, description="Train in bfloat16 mixed precision (16-bit params and grads, "
+                                             "fp32 master weights and optimizer states).")

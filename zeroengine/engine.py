@@ -1,0 +1,154 @@
+"""The training engine: forward, backward, step and the accumulation boundary.
+
+The engine only orchestrates. Where gradients go and how the optimizer steps
+is the ZeRO strategy's business (:mod:`zeroengine.zero`); loss scaling is the
+scaler's; collectives are :mod:`zeroengine.comm`'s.
+"""
+from __future__ import annotations
+
+import torch
+
+from zeroengine import comm
+from zeroengine.progress import ProgressMeter, StepTimers, format_progress, get_logger
+from zeroengine.zero.optimizer import StepResult, ZeroOptimizer
+
+
+class Engine:
+    def __init__(self, module: torch.nn.Module, zero_optimizer: ZeroOptimizer, config, policy, lr_scheduler=None,
+                 local_rank: int = 0):
+        self.module = module
+        self.optimizer = zero_optimizer
+        self.config = config
+        self.policy = policy
+        self.lr_scheduler = lr_scheduler
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.local_rank = local_rank
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_step: StepResult | None = None
+        self._meter = ProgressMeter(config.train_batch_size)
+        self._timers = StepTimers() if config.wall_clock_breakdown else None
+        self._log = get_logger()
+
+    # -- the DeepSpeed-style accessors ---------------------------------------
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer.loss_scale
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    # -- the loop -------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self._time("forward", start=True)
+        args = tuple(self.policy.cast_input(a) for a in args)
+        kwargs = {k: self.policy.cast_input(v) for k, v in kwargs.items()}
+        out = self.module(*args, **kwargs)
+        self._time("forward", start=False)
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale in fp16).
+
+        Gradients are then reduced across ranks as the ZeRO stage requires
+        (stages 0 and 1: only at the accumulation boundary; stage 2: every
+        micro-step, into this rank's gradient shard).
+        """
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError("engine.backward expects a scalar loss tensor (reduce it with .mean() or .sum() first)")
+        self._time("backward", start=True)
+        self._meter.add_loss(float(loss.detach()))
+        scaled = loss.float() / self.gradient_accumulation_steps()
+        if self.optimizer.loss_scaler is not None:
+            scaled = scaled * self.optimizer.loss_scale
+        scaled.backward(retain_graph=retain_graph)
+        self.optimizer.finish_backward(self.is_gradient_accumulation_boundary())
+        self._time("backward", start=False)
+        return loss
+
+    def step(self) -> None:
+        """Step the optimizer, but only at a gradient-accumulation boundary."""
+        if self.is_gradient_accumulation_boundary():
+            self._time("step", start=True)
+            result = self.optimizer.step()
+            self.last_step = result
+            if result.applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+                if self.global_rank == 0:
+                    self._log.info(
+                        f"step {self.global_steps + 1}: fp16 gradient overflow, step skipped; "
+                        f"loss scale {result.loss_scale:g} -> {self.optimizer.loss_scale:g}"
+                    )
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._meter.add_step()
+            self._time("step", start=False)
+            if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
+                self._report_progress()
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held by this rank: by kind (params, grads, ...) and by place (cpu, device)."""
+        return self.optimizer.memory_tally().as_dict()
+
+    # -- internals ------------------------------------------------------------
+    def _time(self, name: str, start: bool) -> None:
+        if self._timers is not None:
+            (self._timers.start if start else self._timers.stop)(name)
+
+    def _report_progress(self) -> None:
+        # Every rank takes part in the loss average (one tiny collective per print).
+        local_loss, rate = self._meter.close_window()
+        loss = comm.all_reduce_scalar(local_loss) / self.world_size
+        if self.global_rank != 0:
+            return
+        fp16 = self.optimizer.loss_scaler is not None
+        line = format_progress(self.global_steps, loss, self.get_lr()[0], rate, self.memory_breakdown(),
+                               loss_scale=self.optimizer.loss_scale if fp16 else None, skipped=self.skipped_steps)
+        if self._timers is not None:
+            line += " | " + self._timers.report_and_reset()
+        self._log.info(line)

@@ -1,0 +1,129 @@
+"""``ze_report``: what this machine offers zeroengine, and the state of every JIT op."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import shutil
+import sys
+
+GREEN, RED, YELLOW, END = "\033[92m", "\033[91m", "\033[93m", "\033[0m"
+
+
+def _ok(flag: bool, color: bool) -> str:
+    word = "[OKAY]" if flag else "[NO]"
+    if not color:
+        return word
+    return f"{GREEN if flag else RED}{word}{END}"
+
+
+def _version(module: str) -> str:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception:
+        return "not installed"
+
+
+def cpu_simd_flags() -> list[str]:
+    """SIMD features zeroengine's CPU kernels can use, as py-cpuinfo reports them."""
+    try:
+        import cpuinfo
+
+        flags = set(cpuinfo.get_cpu_info().get("flags", []))
+    except Exception:
+        flags = set()
+    wanted = ("avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c", "sse4_2", "neon", "asimd")
+    return [f for f in wanted if f in flags]
+
+
+def collect() -> dict:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    mem = psutil.virtual_memory()
+    cuda = torch.cuda.is_available()
+    report = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "zeroengine": _version("zeroengine"),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": psutil.cpu_count(logical=False),
+        "cpu_threads": psutil.cpu_count(logical=True),
+        "simd": cpu_simd_flags(),
+        "memory_total_gib": round(mem.total / 2**30, 1),
+        "memory_available_gib": round(mem.available / 2**30, 1),
+        "ninja": shutil.which("ninja") is not None or _version("ninja") != "not installed",
+        "compiler": shutil.which("c++") or shutil.which("g++"),
+        "nvcc": shutil.which("nvcc"),
+        "pydantic": _version("pydantic"),
+        "ops": op_statuses(),
+    }
+    return report
+
+
+def op_statuses() -> list[dict]:
+    try:
+        from zeroengine.ops.registry import all_builders
+    except ImportError as exc:
+        return [{"name": "<registry>", "compatible": False, "reason": f"op registry unavailable: {exc}",
+                 "built": False, "cache_path": None}]
+    return [b.status() for b in all_builders()]
+
+
+def render(report: dict, color: bool) -> str:
+    lines = ["zeroengine environment report", "-" * 60]
+    rows = [
+        ("zeroengine", report["zeroengine"]),
+        ("python", report["python"]),
+        ("platform", report["platform"]),
+        ("torch", f"{report['torch']} (cuda {report['torch_cuda'] or 'none'})"),
+        ("pydantic", report["pydantic"]),
+        ("CUDA devices", ", ".join(report["gpus"]) or "none"),
+        ("gloo backend", _ok(report["gloo"], color)),
+        ("nccl backend", _ok(report["nccl"], color)),
+        ("CPU", f"{report['cpu']} ({report['cpu_cores']} cores, {report['cpu_threads']} threads)"),
+        ("CPU SIMD", " ".join(report["simd"]) or "none detected"),
+        ("memory", f"{report['memory_total_gib']} GiB total, {report['memory_available_gib']} GiB available"),
+        ("ninja", _ok(report["ninja"], color)),
+        ("C++ compiler", report["compiler"] or "not found"),
+        ("nvcc", report["nvcc"] or "not found"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines += [f"{k.ljust(width)} : {v}" for k, v in rows]
+    lines += ["-" * 60, "JIT ops", "-" * 60]
+    ops = report["ops"]
+    if not ops:
+        lines.append("(no ops registered)")
+    name_w = max([len(o["name"]) for o in ops] + [8])
+    lines.append(f"{'op'.ljust(name_w)}  {'compatible':<12}{'built':<8}cache / reason")
+    for op in ops:
+        where = op.get("cache_path") if op.get("built") else op.get("reason") or op.get("cache_path") or ""
+        lines.append(f"{op['name'].ljust(name_w)}  {_ok(op['compatible'], color):<12}"
+                     f"{_ok(op['built'], color):<8}{where}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ze_report", description="zeroengine environment check")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-color", action="store_true", help="plain text output")
+    args = parser.parse_args(argv)
+    report = collect()
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report, color=sys.stdout.isatty() and not args.no_color))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""``zeroengine.initialize``: from a model and a config to a ready engine."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from zeroengine import comm
+from zeroengine.config import ConfigError, load_config
+from zeroengine.data import build_dataloader
+from zeroengine.engine import Engine
+from zeroengine.optim.factory import build_optimizer
+from zeroengine.optim.schedulers import build_scheduler
+from zeroengine.precision.loss_scaler import build_loss_scaler
+from zeroengine.precision.policy import PrecisionPolicy
+from zeroengine.zero.factory import build_zero_optimizer
+
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--zeroengine_config`` and DeepSpeed's spellings (``--deepspeed``, ``--deepspeed_config``)."""
+    group = parser.add_argument_group("zeroengine", "zeroengine configuration")
+    group.add_argument("--zeroengine", "--deepspeed", dest="zeroengine", action="store_true", default=False,
+                       help="enable zeroengine (accepted for DeepSpeed script compatibility)")
+    group.add_argument("--zeroengine_config", "--deepspeed_config", dest="zeroengine_config", default=None,
+                       help="path to the JSON/HJSON config file")
+    group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                       help="set by launchers that pass it as an argument")
+    return parser
+
+
+def _config_from_args(args) -> str | None:
+    for name in ("zeroengine_config", "deepspeed_config"):
+        path = getattr(args, name, None)
+        if path:
+            return path
+    return None
+
+
+def _hidden_size_of(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _trainable_params(model, model_parameters):
+    if model_parameters is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    return list(model_parameters)
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               config=None, collate_fn=None, dist_init_required=None, config_params=None):
+    """Wrap ``model`` for distributed, memory-sharded training.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` as
+    DeepSpeed does; the dataloader is None unless ``training_data`` is given.
+    """
+    if model is None:
+        raise ValueError("zeroengine.initialize: model is required")
+    if config is None:
+        config = config_params if config_params is not None else _config_from_args(args)
+    if config is None:
+        raise ConfigError("<config>", "no config given: pass config=<path or dict>, or --zeroengine_config on args")
+    if dist_init_required is not False:
+        comm.init_distributed()
+    cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
+    if cfg.comm_debug or comm.sequence_check_requested():
+        comm.enable_sequence_check()
+
+    policy = PrecisionPolicy(cfg.precision_dtype)
+    device = comm.device_for_backend()
+    model.to(device)
+
+    torch_optimizer = _resolve_optimizer(cfg, model, optimizer, model_parameters)
+    if torch_optimizer.state:
+        raise ValueError("zeroengine needs a fresh optimizer: the one passed in has already stepped")
+
+    loss_scaler = build_loss_scaler(
+        fp16_enabled=cfg.fp16.enabled, loss_scale=cfg.fp16.loss_scale, initial_scale_power=cfg.fp16.initial_scale_power,
+        loss_scale_window=cfg.fp16.loss_scale_window, hysteresis=cfg.fp16.hysteresis,
+        consecutive_hysteresis=cfg.fp16.consecutive_hysteresis, min_loss_scale=cfg.fp16.min_loss_scale,
+    )
+    zero_optimizer = build_zero_optimizer(
+        cfg.zero_optimization.stage, model, torch_optimizer, policy, loss_scaler,
+        cfg.zero_optimization, cfg.gradient_clipping,
+        comm_dtype=_COMM_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
+    )
+    scheduler = _resolve_scheduler(cfg, torch_optimizer, lr_scheduler)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank)
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn=collate_fn,
+                                  rank=comm.get_rank(), world_size=comm.get_world_size())
+    return engine, zero_optimizer, loader, scheduler
+
+
+def _resolve_optimizer(cfg, model, optimizer, model_parameters):
+    """Build the torch optimizer from the config, or adopt the one passed in (an instance or a callable)."""
+    params = _trainable_params(model, model_parameters)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer", "an optimizer was passed to initialize() and the config has an "
+                          "'optimizer' section too; keep one of them")
+    if optimizer is None and cfg.optimizer is None:
+        raise ConfigError("optimizer", "no optimizer: add an 'optimizer' section to the config "
+                          "or pass optimizer= to initialize()")
+    if optimizer is None:
+        torch_optimizer = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params)
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        torch_optimizer = optimizer(params)
+    else:
+        torch_optimizer = optimizer
+    if not isinstance(torch_optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(torch_optimizer).__name__}")
+    model_param_ids = {id(p) for p in model.parameters()}
+    stepped = [p for g in torch_optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in stepped if id(p) not in model_param_ids]
+    if foreign:
+        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model")
+    return torch_optimizer
+
+
+def _resolve_scheduler(cfg, torch_optimizer, lr_scheduler):
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler", "an lr_scheduler was passed to initialize() and the config has a "
+                          "'scheduler' section too; keep one of them")
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), torch_optimizer)
+    if lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(torch_optimizer)
+    return lr_scheduler

@@ -1,0 +1,6 @@
+"""``python -m zeroengine.launcher`` is the ``zeroengine`` command."""
+import sys
+
+from .main import main
+
+sys.exit(main())

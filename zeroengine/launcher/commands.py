@@ -1,0 +1,203 @@
+"""Command lines: the per-rank user command and the per-node remote launches.
+
+Multi-node runs are built from one idea: every node runs this same launcher
+with ``--launcher local``, told the whole ``--world_layout`` and which node it
+is, and starts its own ranks (see ``local.py``). The transports differ only in
+how that command reaches the nodes:
+
+* ``ssh``: one ``ssh host 'cd CWD && export ... && python -m zeroengine.launcher.main ...'``
+  per node, each with an explicit ``--node_rank``. ssh's stdin is a pipe held
+  open by the launching node and the remote launcher runs with
+  ``--watch_stdin``: when the local launcher or its ssh client dies, the
+  remote stdin closes and the remote ranks are stopped.
+* ``pdsh``: one command for all nodes. pdsh substitutes ``%h`` with each target
+  host name in the remote command, so nodes find their rank with
+  ``--node_host %h`` (a literal ``%`` is written ``%%``).
+* ``slurm``: ``srun`` starts the user script itself, one task per rank; the
+  script reads its rank from SLURM's variables (``rank_env.py``).
+
+Everything here is pure: functions take the environment and file contents they
+need as arguments and return argv lists, so the exact output is unit tested.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .hostfile import format_layout, is_uniform
+
+ENV_FILE_NAME = ".zeroengine_env"
+# Exported to remote nodes besides the env-file entries: the import path and
+# the socket/transport settings that multi-node collectives commonly need.
+EXPORT_NAMES = ("PYTHONPATH",)
+EXPORT_PREFIXES = ("NCCL_", "GLOO_")
+SSH_OPTIONS = ("-o", "BatchMode=yes")
+PDSH_FANOUT = 1024
+_PDSH_HOST = "ZEROENGINE_PDSH_TARGET_HOST"  # stands for %h until escaping is done
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run and where the world meets, shared by every transport."""
+    script: str
+    script_args: Tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+    pass_local_rank: bool = False
+    master_addr: Optional[str] = None  # None: ranks find it themselves (srun only)
+    master_port: int = 29500
+    cwd: str = "."
+    python: str = sys.executable
+    exports: Mapping[str, str] = field(default_factory=dict)
+    grace_period: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    """One process for the launcher to start and supervise."""
+    name: str
+    argv: Tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # added to os.environ
+    # Give it a pipe we never write to, so its stdin closes exactly when we
+    # exit (however we die): the remote end of an ssh sees that EOF.
+    hold_stdin: bool = False
+
+
+def user_argv(job: JobSpec, local_rank: Optional[int] = None) -> List[str]:
+    """The command one rank runs: ``python -u script args`` (or ``-m``, or bare)."""
+    if job.no_python:
+        argv = [job.script]
+    elif job.module:
+        argv = [job.python, "-u", "-m", job.script]
+    else:
+        argv = [job.python, "-u", job.script]
+    if job.pass_local_rank and local_rank is not None:
+        argv.append(f"--local_rank={local_rank}")
+    return argv + list(job.script_args)
+
+
+def parse_env_file(text: str, source: str = ENV_FILE_NAME) -> Dict[str, str]:
+    """``KEY=VALUE`` lines (optionally ``export KEY=VALUE``; ``#`` comments)."""
+    values: Dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].strip()
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ValueError(f"{source}, line {lineno}: expected KEY=VALUE, got {raw.strip()!r}")
+        values[key] = value.strip()
+    return values
+
+
+def collect_exports(environ: Mapping[str, str],
+                    env_files: Sequence[Tuple[str, str]] = ()) -> Dict[str, str]:
+    """Variables to set on remote nodes: PYTHONPATH, NCCL_*/GLOO_*, then the
+    entries of each ``(path, text)`` env file in order (later files win)."""
+    exports = {n: environ[n] for n in EXPORT_NAMES if n in environ}
+    for name in sorted(environ):
+        if name.startswith(EXPORT_PREFIXES):
+            exports[name] = environ[name]
+    for path, text in env_files:
+        exports.update(parse_env_file(text, path))
+    return exports
+
+
+def find_env_files(cwd: str, home: str) -> List[Tuple[str, str]]:
+    """Read ``.zeroengine_env`` from home, then cwd (so the project's file wins)."""
+    found, seen = [], set()
+    for folder in (home, cwd):
+        path = os.path.join(folder, ENV_FILE_NAME)
+        real = os.path.realpath(path)
+        if real in seen or not os.path.isfile(path):
+            continue
+        seen.add(real)
+        with open(path, encoding="utf-8") as f:
+            found.append((path, f.read()))
+    return found
+
+
+def node_launcher_argv(job: JobSpec, layout: Mapping[str, List[int]],
+                       node_flag: Sequence[str], watch_stdin: bool) -> List[str]:
+    """``python -u -m zeroengine.launcher.main --launcher local ...`` for one node."""
+    if not job.master_addr:
+        raise ValueError("a multi-node launch needs a master address")
+    argv = [job.python, "-u", "-m", "zeroengine.launcher.main", "--launcher", "local",
+            "--world_layout", format_layout(layout), *node_flag,
+            "--master_addr", job.master_addr, "--master_port", str(job.master_port)]
+    if job.grace_period is not None:
+        argv += ["--grace_period", f"{job.grace_period:g}"]
+    if watch_stdin:
+        argv.append("--watch_stdin")
+    for flag in ("module", "no_python", "pass_local_rank"):
+        if getattr(job, flag):
+            argv.append(f"--{flag}")
+    return argv + [job.script, *job.script_args]
+
+
+def remote_shell_command(job: JobSpec, argv: Sequence[str]) -> str:
+    """``cd CWD && export K=V ... && argv``, every word quoted for a POSIX shell."""
+    parts = [f"cd {shlex.quote(job.cwd)}"]
+    if job.exports:
+        parts.append("export " + " ".join(f"{k}={shlex.quote(v)}"
+                                          for k, v in job.exports.items()))
+    parts.append(shlex.join(argv))
+    return " && ".join(parts)
+
+
+def ssh_commands(layout: Mapping[str, List[int]], job: JobSpec) -> List[LaunchCommand]:
+    """One ``ssh`` per node; node ``i`` runs ranks after those of nodes ``< i``."""
+    commands = []
+    for node_rank, host in enumerate(layout):
+        argv = node_launcher_argv(job, layout, ["--node_rank", str(node_rank)],
+                                  watch_stdin=True)
+        commands.append(LaunchCommand(
+            name=f"node {node_rank} ({host})",
+            argv=("ssh", *SSH_OPTIONS, host, remote_shell_command(job, argv)),
+            hold_stdin=True))
+    return commands
+
+
+def pdsh_command(layout: Mapping[str, List[int]], job: JobSpec) -> LaunchCommand:
+    """One ``pdsh`` for all nodes; each finds its node rank from ``%h``."""
+    argv = node_launcher_argv(job, layout, ["--node_host", _PDSH_HOST], watch_stdin=False)
+    # pdsh expands %h/%u/%n in the remote command; keep every other % literal.
+    remote = remote_shell_command(job, argv).replace("%", "%%").replace(_PDSH_HOST, "%h")
+    return LaunchCommand(
+        name="pdsh",
+        argv=("pdsh", "-S", "-f", str(PDSH_FANOUT), "-w", ",".join(layout), remote),
+        env={"PDSH_RCMD_TYPE": "ssh"})
+
+
+def slurm_command(job: JobSpec, num_nodes: int, procs_per_node: int,
+                  hosts: Optional[Sequence[str]] = None) -> LaunchCommand:
+    """``srun`` starting ``num_nodes * procs_per_node`` copies of the user script.
+
+    ``--kill-on-bad-exit=1`` gives the same contract as the local launcher:
+    one failed rank ends the whole step. The exports and the master address go
+    through srun's environment (srun propagates it to the tasks by default).
+    """
+    argv = ["srun", "--nodes", str(num_nodes), "--ntasks-per-node", str(procs_per_node),
+            "--kill-on-bad-exit=1"]
+    if hosts:
+        argv += ["--nodelist", ",".join(hosts)]
+    env = dict(job.exports)
+    if job.master_addr:
+        env["MASTER_ADDR"] = job.master_addr
+    env["MASTER_PORT"] = str(job.master_port)
+    return LaunchCommand(name="srun", argv=tuple(argv + user_argv(job)), env=env)
+
+
+def slurm_command_for_layout(layout: Mapping[str, List[int]], job: JobSpec) -> LaunchCommand:
+    """``slurm_command`` for a hostfile layout (needs equal slots per node)."""
+    if not is_uniform(layout):
+        raise ValueError("--launcher slurm needs the same number of processes on every "
+                         "node; got " + ", ".join(f"{h}={len(s)}" for h, s in layout.items())
+                         + " (use --num_procs to even them out)")
+    return slurm_command(job, len(layout), len(next(iter(layout.values()))), list(layout))

@@ -1,0 +1,277 @@
+"""``zeroengine``: the command-line launcher (DeepSpeed's ``deepspeed`` equivalent).
+
+Decides what to start from the flags, then hands over to ``local.run_node``
+(this node's ranks) or to the supervisor with per-node ssh/pdsh/srun commands:
+
+* no hostfile (or ``--launcher local``): start this node's ranks here; with
+  ``--num_nodes N --node_rank I`` each node is started by hand;
+* a hostfile selecting one host and no ``--launcher``: also local;
+* otherwise: ``--launcher`` (default pdsh if installed, else ssh) starts the
+  same launcher on every node with ``--world_layout``.
+
+User errors print one line and exit 2; see ``docs/cli.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import replace
+from typing import List, Optional
+
+from .commands import (JobSpec, LaunchCommand, collect_exports, find_env_files,
+                       pdsh_command, slurm_command, slurm_command_for_layout, ssh_commands)
+from .hostfile import parse_layout, read_hostfile, world_layout
+from .local import NodePlan, plan_from_layout, plan_uniform, rank_commands
+from .rank_env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+from .supervisor import supervise
+
+LAUNCHERS = ("local", "ssh", "pdsh", "slurm")
+DEFAULT_GRACE_PERIOD = 5.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="zeroengine", allow_abbrev=False,
+                description="Start one process per rank of a zeroengine (or any "
+                            "torch.distributed) script, on this node or on many.")
+    size = p.add_argument_group("world size")
+    size.add_argument("--num_gpus", "--num_accelerators", type=int, metavar="N",
+                      help="processes per node (alias of --num_procs; default: the "
+                           "number of CUDA devices, or 1 without any)")
+    size.add_argument("--num_procs", "--nproc_per_node", type=int, metavar="N",
+                      help="processes per node")
+    size.add_argument("--num_nodes", type=int, metavar="N",
+                      help="number of nodes (with --hostfile: use the first N hosts)")
+    size.add_argument("--node_rank", type=int, metavar="I",
+                      help="this node's index when nodes are started by hand "
+                           "(--launcher local); default 0")
+    hosts = p.add_argument_group("hosts")
+    hosts.add_argument("-H", "--hostfile", metavar="FILE",
+                       help="lines of 'hostname slots=N'")
+    hosts.add_argument("-i", "--include", metavar="SPEC",
+                       help="hosts/slots to use, e.g. 'host1@host2:0,2'")
+    hosts.add_argument("-e", "--exclude", metavar="SPEC",
+                       help="hosts/slots to leave out, e.g. 'host1:0@host3'")
+    hosts.add_argument("--master_addr", metavar="ADDR",
+                       help="rendezvous address (default 127.0.0.1 on one node, "
+                            "the first host of the hostfile on many)")
+    hosts.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
+                       metavar="PORT", help="rendezvous port (default %(default)s)")
+    hosts.add_argument("--launcher", choices=LAUNCHERS,
+                       help="how to start the nodes (default: local on one node; "
+                            "pdsh if installed, else ssh, for a multi-host hostfile)")
+    run = p.add_argument_group("what to run")
+    run.add_argument("--module", action="store_true",
+                     help="SCRIPT is a module name, run with 'python -m'")
+    run.add_argument("--no_python", action="store_true",
+                     help="SCRIPT is an executable, run without 'python'")
+    run.add_argument("--pass_local_rank", action="store_true",
+                     help="append --local_rank=I to the script arguments "
+                          "(old DeepSpeed/torch.distributed.launch scripts)")
+    run.add_argument("--no_local_rank", action="store_true",
+                     help="accepted for DeepSpeed compatibility; this is the default")
+    run.add_argument("--grace_period", type=float, default=DEFAULT_GRACE_PERIOD, metavar="SECONDS",
+                     help="after a failure or a signal, how long the other ranks get "
+                          "to exit before SIGKILL (default %(default)s)")
+    run.add_argument("--dry_run", action="store_true",
+                     help="print the commands that would run, and exit")
+    internal = p.add_argument_group("internal (written by the ssh/pdsh launchers)")
+    internal.add_argument("--world_layout", metavar="SPEC",
+                          help="all nodes and their slots, 'host1:0,1@host2:0,1'")
+    internal.add_argument("--node_host", metavar="HOST",
+                          help="this node's name in --world_layout")
+    internal.add_argument("--watch_stdin", action="store_true",
+                          help="stop the ranks when stdin closes")
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module, or program)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="passed to the script untouched")
+    return p
+
+
+class UsageError(ValueError):
+    """A problem with the command line: printed on one line, exit code 2."""
+
+
+def _procs_per_node(args) -> Optional[int]:
+    if args.num_gpus is not None and args.num_procs is not None \
+            and args.num_gpus != args.num_procs:
+        raise UsageError(f"--num_gpus {args.num_gpus} and --num_procs {args.num_procs} "
+                         "disagree; pass one of them")
+    procs = args.num_procs if args.num_procs is not None else args.num_gpus
+    if procs is not None and procs < 1:
+        raise UsageError(f"--num_procs must be >= 1, got {procs}")
+    return procs
+
+
+def _device_count() -> int:
+    """CUDA devices on this node (torch is imported only when this is needed)."""
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:  # no torch, or a broken CUDA install: run on CPU
+        return 0
+
+
+def _check_args(args) -> None:
+    if args.num_nodes is not None and args.num_nodes < 1:
+        raise UsageError(f"--num_nodes must be >= 1, got {args.num_nodes}")
+    if args.node_rank is not None and not args.world_layout:
+        if args.node_rank < 0:
+            raise UsageError(f"--node_rank must be >= 0, got {args.node_rank}")
+        nodes = args.num_nodes if args.num_nodes is not None else 1
+        if not args.hostfile and args.node_rank >= nodes:
+            raise UsageError(f"--node_rank {args.node_rank} must be < --num_nodes {nodes}")
+    if args.include and args.exclude:
+        raise UsageError("--include and --exclude are mutually exclusive")
+    if not 1 <= args.master_port <= 65535:
+        raise UsageError(f"--master_port {args.master_port} is not a valid TCP port")
+    if args.grace_period < 0:
+        raise UsageError("--grace_period must be >= 0")
+    if args.module and args.no_python:
+        raise UsageError("--module and --no_python are mutually exclusive")
+    if args.module:
+        return  # resolved by the child's own import path
+    if args.no_python:
+        if not (os.path.isfile(args.script) or shutil.which(args.script)):
+            raise UsageError(f"program not found: {args.script}")
+    elif not os.path.isfile(args.script):
+        raise UsageError(f"script not found: {args.script}")
+
+
+def _job(args, master_addr: Optional[str]) -> JobSpec:
+    return JobSpec(script=args.script, script_args=tuple(args.script_args),
+                   module=args.module, no_python=args.no_python,
+                   pass_local_rank=args.pass_local_rank, master_addr=master_addr,
+                   master_port=args.master_port, cwd=os.getcwd(),
+                   python=sys.executable,
+                   grace_period=None if args.grace_period == DEFAULT_GRACE_PERIOD
+                   else args.grace_period)
+
+
+def _with_exports(job: JobSpec) -> JobSpec:
+    files = find_env_files(os.getcwd(), os.path.expanduser("~"))
+    return replace(job, exports=collect_exports(os.environ, files))
+
+
+def _node_from_host(layout, host: str) -> int:
+    if host not in layout:
+        raise UsageError(f"--node_host {host!r} is not in --world_layout "
+                         f"({', '.join(layout)})")
+    return list(layout).index(host)
+
+
+def _plan_layout_node(args):
+    """One node of a launch started by ssh/pdsh: ``--world_layout`` says it all."""
+    layout = parse_layout(args.world_layout)
+    if args.node_rank is None and args.node_host is None:
+        raise UsageError("--world_layout needs --node_rank or --node_host")
+    node = args.node_rank if args.node_rank is not None else \
+        _node_from_host(layout, args.node_host)
+    job = _job(args, args.master_addr or next(iter(layout)))
+    return plan_from_layout(layout, node, job.master_addr, job.master_port), job
+
+
+def _plan_hostfile(args, procs: Optional[int]):
+    hosts = read_hostfile(os.path.expanduser(args.hostfile))
+    layout = world_layout(hosts, args.include, args.exclude, args.num_nodes, procs)
+    multi = len(layout) > 1
+    launcher = args.launcher or (("pdsh" if shutil.which("pdsh") else "ssh")
+                                 if multi else "local")
+    remote_master = multi or launcher != "local"
+    job = _job(args, args.master_addr
+               or (next(iter(layout)) if remote_master else DEFAULT_MASTER_ADDR))
+    if launcher == "local":
+        if multi and args.node_rank is None:
+            raise UsageError(f"--launcher local with {len(layout)} hosts: pass "
+                             "--node_rank to say which one this node is")
+        return plan_from_layout(layout, args.node_rank or 0, job.master_addr,
+                                job.master_port), job
+    if args.node_rank is not None:
+        raise UsageError(f"--node_rank is for --launcher local, not {launcher}")
+    job = _with_exports(job)
+    if launcher == "slurm":
+        return [slurm_command_for_layout(layout, job)], job
+    if launcher == "pdsh":
+        return [pdsh_command(layout, job)], job
+    return ssh_commands(layout, job), job
+
+
+def _plan_no_hostfile(args, procs: Optional[int]):
+    launcher = args.launcher or "local"
+    if launcher in ("ssh", "pdsh"):
+        raise UsageError(f"--launcher {launcher} needs --hostfile")
+    num_nodes = args.num_nodes or 1
+    if launcher == "slurm":
+        if args.include or args.exclude or args.node_rank is not None:
+            raise UsageError("--include/--exclude/--node_rank with --launcher slurm "
+                             "need --hostfile (srun places the ranks)")
+        job = _with_exports(_job(args, args.master_addr))
+        return [slurm_command(job, num_nodes, procs or _device_count() or 1)], job
+    if args.include or args.exclude:
+        pool = {"localhost": _device_count() or procs or 1}
+        slots = world_layout(pool, args.include, args.exclude, None, procs)["localhost"]
+    else:
+        slots = list(range(procs or _device_count() or 1))
+    if num_nodes > 1 and not args.master_addr:
+        print(f"zeroengine: warning: --num_nodes {num_nodes} without --master_addr; "
+              f"using {DEFAULT_MASTER_ADDR}, which only works if all nodes are this "
+              "machine", file=sys.stderr)
+    job = _job(args, args.master_addr or DEFAULT_MASTER_ADDR)
+    return plan_uniform(num_nodes, args.node_rank or 0, len(slots), job.master_addr,
+                        job.master_port, slots), job
+
+
+def plan(args):
+    """``(node_plan, job)`` for a local run, or ``(commands, job)`` for a remote one."""
+    procs = _procs_per_node(args)
+    _check_args(args)
+    if args.world_layout:
+        return _plan_layout_node(args)
+    if args.hostfile:
+        return _plan_hostfile(args, procs)
+    return _plan_no_hostfile(args, procs)
+
+
+def _print_commands(commands: List[LaunchCommand]) -> None:
+    for command in commands:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in command.env.items())
+        print(f"{command.name}: {env + ' ' if env else ''}{shlex.join(command.argv)}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the launcher; returns the exit code (0 only if every rank succeeded)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        what, job = plan(args)
+        if isinstance(what, NodePlan):
+            commands = rank_commands(what, job, os.environ)
+        else:
+            commands = what
+    except ValueError as e:  # UsageError, HostfileError, bad include spec, ...
+        print(f"zeroengine: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        _print_commands(commands)
+        return 0
+    if isinstance(what, NodePlan):
+        return supervise(commands, noun="ranks", grace_period=args.grace_period,
+                         watch_stdin=args.watch_stdin)
+    for command in commands:
+        print(f"zeroengine: starting {command.name}: {shlex.join(command.argv)}",
+              file=sys.stderr, flush=True)
+    return supervise(commands, noun="nodes", grace_period=args.grace_period)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Adam/AdamW optimizers backed by zeroengine's ops: ``CPUAdam`` (C++, for
+CPU-resident and offloaded optimizer state) and ``FusedAdam`` (CUDA)."""
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from zeroengine.ops._adam_common import AdamBase, AdamHyper, _reference_adam_step, run_closure
+from zeroengine.ops.fused_adam import FusedAdam
+from zeroengine.ops.op_builders import CPUAdamBuilder
+
+__all__ = ["CPUAdam", "FusedAdam"]
+
+_COPY_DTYPES = (torch.bfloat16, torch.float16)
+_warned_fallback = False
+
+
+class CPUAdam(AdamBase):
+    """Adam (``adamw_mode=False``) or AdamW on CPU tensors; results match
+    torch.optim.Adam / torch.optim.AdamW, and so do the state dicts.
+
+    Runs the C++ kernel (ops/csrc/adam/cpu_adam.cpp: SIMD and OpenMP, one pass
+    over memory) when it builds, else the PyTorch reference step after one
+    warning. ``impl="cpp"`` insists on the kernel (raising if it cannot be
+    built), ``impl="torch"`` never uses it. ``backend`` names what runs:
+    ``"cpp-avx512"``, ``"cpp-avx2"``, ``"cpp-scalar"`` or ``"torch"``.
+
+    The kernel takes contiguous fp32 params (master weights); any other param
+    gets the reference step. Moments are fp32 whatever the param dtype.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
+                 amsgrad: bool = False, *, impl: str = "auto"):
+        if impl not in ("auto", "cpp", "torch"):
+            raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
+        super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, amsgrad)
+        self._kernel = None if impl == "torch" else _load_kernel(required=impl == "cpp")
+        self.backend = f"cpp-{self._kernel.simd_level()}" if self._kernel else "torch"
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        return self.step_with_copy({}, closure)
+
+    @torch.no_grad()
+    def step_with_copy(self, copy_to: Mapping[torch.Tensor, torch.Tensor],
+                       closure: Callable[[], float] | None = None):
+        """``step()`` that also writes each updated param into ``copy_to[param]``.
+
+        A target is a contiguous bf16 or fp16 CPU tensor with the param's numel
+        (e.g. the pinned buffer the engine copies to the GPU); the kernel fills
+        it in the same pass that updates the param. Params without a grad are
+        neither updated nor copied.
+        """
+        loss = run_closure(closure)
+        for group in self.param_groups:
+            hyper = AdamHyper.from_group(group)
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(param, hyper, copy_to.get(param))
+        return loss
+
+    def _update(self, param: torch.Tensor, hyper: AdamHyper, copy_to: torch.Tensor | None) -> None:
+        if param.device.type != "cpu":
+            raise ValueError(f"CPUAdam updates CPU tensors, got one on {param.device}; "
+                             "use FusedAdam for CUDA params")
+        if copy_to is not None:
+            _check_copy_target(param, copy_to)
+        state, step = self._advance_state(param)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if self._kernel is not None and param.dtype == torch.float32 and all(
+                t.is_contiguous() for t in (param, exp_avg, exp_avg_sq)):
+            self._kernel.adam_step(param, param.grad.contiguous(), exp_avg, exp_avg_sq, copy_to,
+                                   step, **hyper.kernel_args())
+        else:
+            _reference_adam_step(param, param.grad, exp_avg, exp_avg_sq, step, hyper, copy_to)
+
+
+def _check_copy_target(param: torch.Tensor, target: torch.Tensor) -> None:
+    if target.dtype not in _COPY_DTYPES or target.device.type != "cpu" or not target.is_contiguous():
+        raise ValueError("copy target must be a contiguous bfloat16 or float16 CPU tensor, "
+                         f"got {target.dtype} on {target.device}")
+    if target.numel() != param.numel():
+        raise ValueError(f"copy target has {target.numel()} elements, param has {param.numel()}")
+
+
+def _load_kernel(required: bool) -> ModuleType | None:
+    builder = CPUAdamBuilder()
+    if required:
+        return builder.load()
+    kernel = builder.load_or_none()
+    global _warned_fallback
+    if kernel is None and not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"CPUAdam: C++ kernel unavailable ({builder.status()['reason']}); "
+                      "using the slower PyTorch reference step", RuntimeWarning, stacklevel=3)
+    return kernel

@@ -1,0 +1,20 @@
+"""The concrete ops: which sources make each one, and how it is compiled."""
+from __future__ import annotations
+
+from zeroengine.ops.builder import CPUOpBuilder, CUDAOpBuilder
+
+
+class CPUAdamBuilder(CPUOpBuilder):
+    """Adam/AdamW over flat fp32 CPU tensors (ops/csrc/adam/cpu_adam.cpp)."""
+
+    NAME = "cpu_adam"
+    SOURCE_DIR = "adam"
+    SOURCES = ("cpu_adam.cpp",)
+
+
+class FusedAdamBuilder(CUDAOpBuilder):
+    """Multi-tensor Adam/AdamW for CUDA (ops/csrc/adam/fused_adam.{cu,cpp})."""
+
+    NAME = "fused_adam"
+    SOURCE_DIR = "adam"
+    SOURCES = ("fused_adam.cpp", "fused_adam.cu")

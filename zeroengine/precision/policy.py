@@ -1,0 +1,35 @@
+"""Which dtype the model computes in, and whether an fp32 master copy exists."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The precision a run trains in, decided once from the config.
+
+    ``param_dtype`` is what the module's parameters (and so forward, backward
+    and the gradients) use. In 16-bit training the optimizer never sees those
+    parameters: it updates an fp32 master copy, because bf16/fp16 cannot
+    represent small updates (bf16 has an 8-bit mantissa: adding 1e-4 to 1.0 is
+    a no-op), and the 16-bit weights are refreshed from the masters after
+    each step.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    @property
+    def name(self) -> str:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.param_dtype]
+
+    def cast_input(self, value):
+        """Floating-point inputs follow the parameters' dtype (integer token ids are untouched)."""
+        if self.mixed and isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.param_dtype)
+        return value

@@ -1,0 +1,88 @@
+"""The every-``steps_per_print`` progress line and optional wall-clock breakdown."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import psutil
+
+from zeroengine.memory import format_bytes
+
+logger = logging.getLogger("zeroengine")
+
+
+def get_logger() -> logging.Logger:
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[zeroengine] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+class StepTimers:
+    """Accumulated seconds per phase (forward / backward / step) since the last report."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._started: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        self._started[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        t0 = self._started.pop(name, None)
+        if t0 is not None:
+            self.totals[name] += time.perf_counter() - t0
+
+    def report_and_reset(self) -> str:
+        text = " | ".join(f"{k} {v * 1000:.1f}ms" for k, v in self.totals.items())
+        self.totals.clear()
+        return text
+
+
+class ProgressMeter:
+    """Averages the loss over a print window and measures throughput."""
+
+    def __init__(self, samples_per_step: int) -> None:
+        self.samples_per_step = samples_per_step
+        self.loss_sum = 0.0
+        self.loss_count = 0
+        self.window_start = time.perf_counter()
+        self.window_steps = 0
+
+    def add_loss(self, value: float) -> None:
+        self.loss_sum += value
+        self.loss_count += 1
+
+    def add_step(self) -> None:
+        self.window_steps += 1
+
+    def close_window(self) -> tuple[float, float]:
+        """Return (mean local loss, samples/s) for the window and start a new one."""
+        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
+        loss = self.loss_sum / max(self.loss_count, 1)
+        rate = self.window_steps * self.samples_per_step / elapsed
+        self.loss_sum, self.loss_count, self.window_steps = 0.0, 0, 0
+        self.window_start = time.perf_counter()
+        return loss, rate
+
+
+def format_progress(step: int, loss: float, lr: float, samples_per_s: float, memory: dict, loss_scale=None,
+                    skipped: int = 0) -> str:
+    rss = psutil.Process().memory_info().rss
+    parts = [
+        f"step {step}",
+        f"loss {loss:.4f}",
+        f"lr {lr:.3e}",
+        f"samples/s {samples_per_s:.1f}",
+        f"model states {format_bytes(sum(memory[k] for k in ('params', 'grads', 'optimizer_states', 'master_params')))}",
+        f"rss {format_bytes(rss)}",
+    ]
+    if loss_scale is not None:
+        parts.append(f"loss_scale {loss_scale:g}")
+    if skipped:
+        parts.append(f"skipped {skipped}")
+    return " | ".join(parts)

@@ -1,0 +1,74 @@
+"""The one place the ZeRO stage number is switched on.
+
+Each builder receives the model in fp32 (on its device) and the torch
+optimizer over its fp32 parameters, and leaves the model's trainable
+parameters in the policy's dtype, with the optimizer pointed at whatever
+the stage steps (fp32 masters, shard pieces, or the parameters themselves).
+"""
+from __future__ import annotations
+
+import torch
+
+from zeroengine import comm
+from zeroengine.config import ConfigError
+from zeroengine.precision.master_weights import MasterWeights
+
+from .flat_params import FlatParamBuffer
+from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
+from .layout import build_layout
+from .optimizer import ZeroOptimizer
+from .sharded import ShardedOptimizer
+from .stage0 import DataParallelOptimizer
+
+IMPLEMENTED_STAGES = (0, 1, 2)
+
+
+def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy, loss_scaler,
+                         zero_config, gradient_clipping: float, comm_dtype: torch.dtype | None) -> ZeroOptimizer:
+    if stage == 0:
+        return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype)
+    if stage in (1, 2):
+        return _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping,
+                              comm_dtype)
+    raise ConfigError(
+        "zero_optimization.stage",
+        f"stage {stage} is not available in this build yet (implemented: {IMPLEMENTED_STAGES})",
+    )
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
+    master_weights = None
+    if policy.mixed:
+        params = _optimizer_params(optimizer)
+        # Masters are cloned from the fp32 values before the cast (see MasterWeights).
+        master_weights = MasterWeights(params, [p.detach() for p in params])
+        for group in optimizer.param_groups:
+            group["params"] = [master_weights.master_of[id(p)] for p in group["params"]]
+    module.to(policy.param_dtype)
+    return DataParallelOptimizer(module, optimizer, policy, loss_scaler, clip, master_weights,
+                                 reduce_bucket_size=zero_config.reduce_bucket_size, comm_dtype=comm_dtype)
+
+
+def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    # Layout in reverse registration order: roughly the order backward produces
+    # gradients, so stage 2's buckets fill (and launch) front to back.
+    params = [p for p in reversed(list(module.parameters())) if id(p) in group_of]
+    # Detached fp32 values survive the re-homing below (they keep the old storage alive until the masters are cut).
+    fp32_values = [p.detach() for p in params] if policy.mixed else None
+    rank, world = comm.get_rank(), comm.get_world_size()
+    layout = build_layout([p.numel() for p in params], world, int(zero_config.reduce_bucket_size))
+    flat = FlatParamBuffer(params, layout, policy.param_dtype)
+    module.to(policy.param_dtype)  # whatever is not trainable (buffers, frozen params) follows
+    reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
+    if stage == 1:
+        grad_store = FullGradStore(flat, reducer)
+    else:
+        grad_store = PartitionedGradStore(flat, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients))
+    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, fp32_values, grad_store, rank)
+    sharded.adopt_param_groups([group_of[id(p)] for p in params])
+    return sharded

@@ -1,0 +1,44 @@
+"""Trainable parameters re-homed into one flat buffer, in the bucket-major layout.
+
+After construction every parameter's ``.data`` is a view into ``flat``: an
+all-gather into a bucket's range refreshes those parameters in place, with no
+unflatten copies, and a rank's chunk of a bucket is one contiguous slice.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import Bucket, FlatLayout
+
+
+class FlatParamBuffer:
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype):
+        self.params = params
+        self.layout = layout
+        device = params[0].device if params else torch.device("cpu")
+        self.flat = torch.zeros(layout.total_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for bucket in layout.buckets:
+                for slot in bucket.slots:
+                    p = params[slot.index]
+                    self.flat[slot.flat_start:slot.flat_end].copy_(p.detach().reshape(-1))
+                    p.data = self.flat[slot.flat_start:slot.flat_end].view(p.shape)
+
+    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
+        return self.flat[bucket.flat_start:bucket.flat_start + bucket.padded_numel]
+
+    def chunk_view(self, bucket: Bucket, rank: int) -> torch.Tensor:
+        lo, hi = bucket.chunk_range(rank)
+        return self.flat[lo:hi]
+
+
+def gather_chunk(params: list[torch.Tensor], bucket: Bucket, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor holding ``rank``'s chunk of ``bucket`` read from the (unflattened) ``params``; padding is 0."""
+    lo, _ = bucket.chunk_range(rank)
+    device = params[bucket.slots[0].index].device
+    chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=device)
+    with torch.no_grad():
+        for slot, a, b in bucket.pieces_in_chunk(rank):
+            start = slot.flat_start + a - lo
+            chunk[start:start + (b - a)].copy_(params[slot.index].detach().reshape(-1)[a:b])
+    return chunk

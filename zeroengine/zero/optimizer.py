@@ -1,0 +1,103 @@
+"""The optimizer wrapper every ZeRO stage shares: the step skeleton.
+
+``initialize()`` returns one of these as the "wrapped optimizer". A stage
+decides *where* gradients, master weights and optimizer state live (whole or
+sharded); the order of a step is the same for all of them and lives here once:
+
+1. reduce gradients across data-parallel ranks (stage specific);
+2. gather the fp32, unscaled gradients this rank steps on;
+3. global gradient norm (stage specific: sharded stages sum partial norms);
+4. fp16 only: overflow (non-finite norm) agreed by every rank; the loss
+   scaler updates, and an overflowing step is skipped on all ranks alike;
+5. clip to ``gradient_clipping`` by the global norm;
+6. the wrapped torch optimizer steps;
+7. refresh the model's parameters (16-bit copy-back, or all-gather of shards).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zeroengine import comm
+from zeroengine.memory import MemoryTally
+from zeroengine.precision.policy import PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class StepResult:
+    applied: bool
+    grad_norm: float
+    loss_scale: float | None
+
+
+class ZeroOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy, loss_scaler, gradient_clipping: float):
+        self.optimizer = optimizer
+        self.policy = policy
+        self.loss_scaler = loss_scaler
+        self.gradient_clipping = gradient_clipping
+
+    # -- what torch.optim users and LR schedulers reach for ------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    # -- stage-specific pieces ------------------------------------------------
+    def finish_backward(self, is_boundary: bool) -> None:
+        """Called after every micro-step's backward: reduce gradients as the stage requires."""
+        raise NotImplementedError
+
+    def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        raise NotImplementedError
+
+    def _refresh_model_params(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
+
+    def memory_tally(self) -> MemoryTally:
+        raise NotImplementedError
+
+    # -- the shared step ------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        grads = self._unscaled_fp32_grads(1.0 / self.loss_scale)
+        norm = self._grad_norm(grads)
+        scale_before = self.loss_scale
+        if self.loss_scaler is not None:
+            overflow = comm.all_reduce_scalar(0.0 if math.isfinite(norm) else 1.0, op=comm.ReduceOp.MAX) > 0
+            self.loss_scaler.update_scale(overflow)
+            if overflow:
+                self.zero_grad()
+                return StepResult(applied=False, grad_norm=norm, loss_scale=scale_before)
+        if self.gradient_clipping > 0 and grads:
+            # Same coefficient as torch.nn.utils.clip_grad_norm_, so parity with
+            # a plain torch loop is exact.
+            coef = self.gradient_clipping / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self._refresh_model_params()
+        self.zero_grad()
+        return StepResult(applied=True, grad_norm=norm, loss_scale=scale_before)
+
+    @staticmethod
+    def local_norm_sq(grads: list[torch.Tensor]) -> float:
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm([g.float() for g in grads] if grads[0].dtype != torch.float32 else grads)
+        return float(torch.stack(norms).double().pow(2).sum())

@@ -1,0 +1,116 @@
+"""Stages 1 and 2: each rank steps only its shard of the optimizer state (and master weights).
+
+The optimizer never sees a model parameter. It steps *pieces*: for every
+bucket, this rank's chunk split at parameter boundaries, each piece put in
+the torch param group its parameter belonged to (so per-group lr and weight
+decay hold). In fp32 training a piece is a view into the flat parameter
+buffer, so stepping it updates the model in place (no master copy: DESIGN.md's
+K = 8); in 16-bit training it is a view into an fp32 master chunk. After the
+step, each bucket's updated chunks are all-gathered into every rank's
+parameters. Stage 1 and stage 2 differ only in their gradient store
+(:mod:`zeroengine.zero.grad_stores`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeroengine import comm
+from zeroengine.memory import MemoryTally
+
+from .flat_params import FlatParamBuffer, gather_chunk
+from .layout import FlatLayout
+from .optimizer import ZeroOptimizer
+
+
+class ShardedOptimizer(ZeroOptimizer):
+    def __init__(self, module, optimizer, policy, loss_scaler, gradient_clipping: float, flat_params: FlatParamBuffer,
+                 fp32_values: list[torch.Tensor] | None, grad_store, rank: int, group=None):
+        super().__init__(optimizer, policy, loss_scaler, gradient_clipping)
+        self.module = module
+        self.flat_params = flat_params
+        self.layout: FlatLayout = flat_params.layout
+        self.grad_store = grad_store
+        self.rank = rank
+        self.group = group
+        self.world = comm.get_world_size(group)
+        buckets = self.layout.buckets
+        if policy.mixed:
+            self.chunks = [gather_chunk(fp32_values, b, rank, torch.float32) for b in buckets]
+        else:
+            self.chunks = [flat_params.chunk_view(b, rank) for b in buckets]
+        self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
+        self._fp32_chunk_grads: list[torch.Tensor] = []
+
+    def _pieces_of(self, bucket_index: int) -> list[torch.nn.Parameter]:
+        bucket = self.layout.buckets[bucket_index]
+        lo, _ = bucket.chunk_range(self.rank)
+        chunk = self.chunks[bucket_index]
+        return [torch.nn.Parameter(chunk[slot.flat_start + a - lo: slot.flat_start + b - lo])
+                for slot, a, b in bucket.pieces_in_chunk(self.rank)]
+
+    def adopt_param_groups(self, group_of_param: list[int]) -> None:
+        """Replace the torch optimizer's parameters by this rank's pieces, group by group."""
+        if self.optimizer.state:
+            raise ValueError("ZeRO needs a fresh optimizer: the one passed in has already stepped")
+        new_params: list[list[torch.nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
+        for bucket, pieces in zip(self.layout.buckets, self.pieces):
+            for (slot, _, _), piece in zip(bucket.pieces_in_chunk(self.rank), pieces):
+                new_params[group_of_param[slot.index]].append(piece)
+        for group, params in zip(self.optimizer.param_groups, new_params):
+            group["params"] = params
+
+    # -- ZeroOptimizer pieces ---------------------------------------------------
+    def finish_backward(self, is_boundary: bool) -> None:
+        self.grad_store.finish_backward(is_boundary)
+
+    def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        grads = []
+        for bucket, chunk_grad, pieces in zip(self.layout.buckets, self.grad_store.chunk_grads, self.pieces):
+            g = chunk_grad.to(torch.float32) if chunk_grad is not None else torch.zeros(bucket.chunk_numel)
+            if inv_scale != 1.0:
+                g = g * inv_scale
+            lo, _ = bucket.chunk_range(self.rank)
+            for (slot, a, b), piece in zip(bucket.pieces_in_chunk(self.rank), pieces):
+                piece.grad = g[slot.flat_start + a - lo: slot.flat_start + b - lo]
+            grads.append(g)
+        self._fp32_chunk_grads = grads
+        return grads
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        # Each rank holds a disjoint shard (padding is zero): the squares add up across ranks.
+        total = comm.all_reduce_scalar(self.local_norm_sq(grads), group=self.group)
+        return math.sqrt(total) if math.isfinite(total) else float("inf")
+
+    def _refresh_model_params(self) -> None:
+        works = []
+        for bucket, chunk in zip(self.layout.buckets, self.chunks):
+            # A copy, not the chunk itself: in fp32 the chunk aliases the all-gather's output.
+            source = chunk.to(self.flat_params.flat.dtype, copy=True)
+            works.append((comm.all_gather(self.flat_params.bucket_view(bucket), source, group=self.group,
+                                          async_op=True), source))
+        for work, _ in works:
+            if work is not None:
+                work.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.grad_store.zero()
+        for pieces in self.pieces:
+            for piece in pieces:
+                piece.grad = None
+        self._fp32_chunk_grads = []
+
+    def memory_tally(self) -> MemoryTally:
+        tally = MemoryTally()
+        flat_ids = {id(p) for p in self.flat_params.params}
+        tally.add("params", [self.flat_params.flat])
+        tally.add("params", (p for p in self.module.parameters() if id(p) not in flat_ids))
+        tally.add("grads", self.grad_store.held_tensors())
+        tally.add("grads", self._fp32_chunk_grads)
+        if self.policy.mixed:
+            tally.add("master_params", self.chunks)
+        tally.add_optimizer_state(self.optimizer)
+        tally.add("buffers", self.module.buffers())
+        tally.add("buffers", self.grad_store.comm_buffers())
+        return tally
