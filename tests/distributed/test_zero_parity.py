@@ -69,3 +69,58 @@ def test_16bit_tracks_fp32_loss_curve(stage, world, dtype):
     for losses, _, _ in results:
         for got, want in zip(losses, ref_losses):
             assert abs(got - want) <= tol * want, (dtype, losses, ref_losses)
+
+
+def _train_with_optimizer(rank, world, stage, opt_type, opt_params, steps=4):
+    cfg = base_config(2, 1, world, 0.0, stage=stage)
+    cfg["optimizer"] = {"type": opt_type, "params": opt_params}
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    for step in global_batches(steps, 1, world, 2):
+        x, y = step[0][rank]
+        engine.backward(engine(x, y))
+        engine.step()
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("opt_type,opt_params,torch_cls,torch_kwargs", [
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+     torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+    ("Adam", {"lr": 1e-2, "adam_w_mode": False, "weight_decay": 1e-3, "eps": 1e-6},
+     torch.optim.Adam, {"lr": 1e-2, "weight_decay": 1e-3, "eps": 1e-6}),
+])
+def test_elementwise_optimizers_work_on_the_shard(stage, opt_type, opt_params, torch_cls, torch_kwargs):
+    world, steps = 2, 4
+    model = make_model()
+    opt = torch_cls(model.parameters(), **torch_kwargs)
+    for step in global_batches(steps, 1, world, 2):
+        x = torch.cat([xr for xr, _ in step[0]])
+        y = torch.cat([yr for _, yr in step[0]])
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    results = run_distributed(_train_with_optimizer, world, stage, opt_type, opt_params)
+    for params in results:
+        for name, ref in model.state_dict().items():
+            torch.testing.assert_close(params[name], ref, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _fp16_overflow(rank, world, stage):
+    cfg = base_config(2, 1, world, 1.0, dtype="fp16", stage=stage)
+    cfg["fp16"].update({"initial_scale_power": 30, "hysteresis": 1})
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    x, y = global_batches(1, 1, world, 2)[0][0][rank]
+    loss = engine(x, y)
+    if rank == 1:
+        loss = loss * float("inf")  # only rank 1 overflows; everyone must skip
+    engine.backward(loss)
+    engine.step()
+    unchanged = all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    return engine.skipped_steps, engine.loss_scale, unchanged
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
+    results = run_distributed(_fp16_overflow, 2, stage)
+    assert results[0] == results[1] == (1, 2.0**29, True)
