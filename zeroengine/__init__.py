@@ -1,12 +1,34 @@
 """zeroengine: a ZeRO-style, memory-optimizing training engine for PyTorch.
 
-Public API only; see DESIGN.md for the contract.
+Public API only; see DESIGN.md for the contract. Names are imported on first
+use, so ``python -m zeroengine.launcher.main`` (which needs none of them)
+starts without importing torch and the engine.
 """
-from zeroengine.comm import init_distributed
-from zeroengine.config import ConfigError
-from zeroengine.engine import Engine
-from zeroengine.initialize import add_config_arguments, initialize
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "Engine", "add_config_arguments", "init_distributed", "initialize", "__version__"]
+_EXPORTS = {
+    "ConfigError": "zeroengine.config",
+    "Engine": "zeroengine.engine",
+    "add_config_arguments": "zeroengine.initialize",
+    "init_distributed": "zeroengine.comm",
+    "initialize": "zeroengine.initialize",
+}
+_SUBMODULES = {"comm", "config", "ops", "testing", "zero", "optim", "precision", "launcher"}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return import_module(f"zeroengine.{name}")
+    raise AttributeError(f"module 'zeroengine' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)

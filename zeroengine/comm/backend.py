@@ -49,6 +49,10 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         rank, world, addr, port = 0, 1, "127.0.0.1", _free_port()
     else:
         rank, world, addr, port = env.rank, env.world_size, env.master_addr, env.master_port
+        # Under SLURM or MPI, publish the torchrun-style variables too, so code
+        # that reads RANK / LOCAL_RANK sees the same world as zeroengine.
+        for key, value in env.torch_env().items():
+            os.environ.setdefault(key, value)
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     backend = backend or default_backend()
