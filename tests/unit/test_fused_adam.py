@@ -111,10 +111,11 @@ def test_cuda_kernel_16bit_params(dtype):
             _reference_adam_step(ref_p, p.grad, m, v, step, hyper)
         opt.step()
     for p, (ref_p, m, v) in zip(ours, ref):
-        # Each step rounds nearly equal fp32 values (fma differences), so the two
-        # may land one ulp apart, and a step from either side may add another.
-        ulp = torch.finfo(dtype).eps * ref_p.float().abs().clamp_min(1e-3)
-        assert ((p.float() - ref_p.float()).abs() <= 2 * ulp).all()
+        # Each step rounds nearly equal fp32 values (fma differences) to 16 bits,
+        # so a step may land one ulp apart; that ulp is of the larger values seen
+        # along the way, before later updates cancel towards zero.
+        tol = 2 * torch.finfo(dtype).eps * (ref_p.float().abs() + 3 * hyper.lr)
+        assert ((p.float() - ref_p.float()).abs() <= tol).all()
         assert_close(opt.state[p]["exp_avg"], m)
         assert_close(opt.state[p]["exp_avg_sq"], v)
 

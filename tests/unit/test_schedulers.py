@@ -304,7 +304,7 @@ def test_tensor_lr_stays_a_tensor():
 
 @pytest.mark.parametrize("build, message", [
     (lambda o: WarmupLR(o, warmup_type="cosine"), "warmup_type"),
-    (lambda o: WarmupLR(o, warmup_num_steps=0), "warmup_num_steps"),
+    (lambda o: WarmupLR(o, warmup_num_steps=-1), "warmup_num_steps"),
     (lambda o: WarmupLR(o, warmup_max_lr=[0.1, 0.2, 0.3]), "one per param group"),
     (lambda o: WarmupDecayLR(o, total_num_steps=10, warmup_num_steps=20), "total_num_steps"),
     (lambda o: WarmupDecayLR(o, total_num_steps=0), "total_num_steps"),
@@ -319,6 +319,15 @@ def test_tensor_lr_stays_a_tensor():
 def test_bad_arguments_raise_value_error(build, message):
     with pytest.raises(ValueError, match=message):
         build(make_optimizer())
+
+
+def test_zero_warmup_steps_is_clamped_to_two_like_deepspeed():
+    # HF's "auto" resolves warmup_num_steps to 0; DeepSpeed clamps the length to 2.
+    sched = WarmupLR(make_optimizer(), warmup_max_lr=0.4, warmup_num_steps=0, warmup_type="linear")
+    assert sched.warmup_num_steps == 2
+    sched.step()
+    sched.step()
+    assert sched.get_lr()[0] == pytest.approx(0.2)
 
 
 def test_build_scheduler_names_and_errors():

@@ -196,7 +196,7 @@ def _unsupported_section() -> str:
         for entry in entries:
             key = f"{section}.{entry.key}" if section else entry.key
             rows.append(f"| `{key}` | {_cell(entry.neutral.accepted)} | {_cell(entry.what)} |")
-    return "\n".join(rows)
+    return "\n".join(rows) + "\n"
 
 
 def main(argv: Optional[List[str]] = None) -> int:

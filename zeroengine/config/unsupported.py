@@ -1,8 +1,8 @@
 """DeepSpeed features zeroengine does not implement, and when their keys are harmless.
 
 Why this list exists: real DeepSpeed configs carry blocks for features that
-are switched off (``"flops_profiler": {"enabled": false}``, ``"aio": {...}``
-defaults, ``"zero_force_ds_cpu_optimizer": true``). Rejecting those as unknown
+are switched off (``"flops_profiler": {"enabled": false}``,
+``"zero_force_ds_cpu_optimizer": true``). Rejecting those as unknown
 keys would make switching from DeepSpeed needlessly painful; accepting them
 when they are *on* would silently train differently from what the user asked.
 So each key is accepted exactly when its value means "feature off" (the
@@ -60,8 +60,9 @@ class Unsupported(NamedTuple):
 UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
     "": (
         # HuggingFace's integration writes "amp": {"enabled": "auto"}; outside its Trainer that means off.
-        Unsupported("amp", Neutral("set enabled=false", "`enabled: false` or `\"auto\"`", "enabled",
+        Unsupported("amp", Neutral("set enabled=false", "`enabled: false` or `enabled: \"auto\"`", "enabled",
                                    (False, "auto")), "NVIDIA Apex AMP"),
+        Unsupported("aio", EMPTY, "async I/O for NVMe offload"),
         Unsupported("autotuning", ENABLED_FALSE, "automatic search of ZeRO/batch settings"),
         Unsupported("comet", ENABLED_FALSE, "Comet experiment logging"),
         Unsupported("comms_logger", ENABLED_FALSE, "logging of every collective"),
@@ -86,7 +87,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("sparse_gradients", off_value(False), "sparse embedding gradients"),
         Unsupported("torch_autocast", ENABLED_FALSE, "torch.autocast-based mixed precision"),
         Unsupported("wandb", ENABLED_FALSE, "Weights & Biases logging"),
-        Unsupported("aio", EMPTY, "async I/O for NVMe offload"),
         Unsupported("zero_force_ds_cpu_optimizer", off_value(True), "requiring DeepSpeed's CPU optimizer "
                     "with offload"),
     ),

@@ -139,7 +139,7 @@ class OpBuilder:
             raise OpUnavailableError(self.name, _failed_builds[build_dir])
         module = _loaded.get(build_dir)
         if module is None:
-            info = read_json(build_dir / _MARKER) or self._build(build_dir, verbose)
+            info = _read_marker(build_dir) or self._build(build_dir, verbose)
             module = _import_extension(info["module"], build_dir / info["file"])
             _loaded[build_dir] = module
         _failures.pop(self.name, None)
@@ -178,7 +178,7 @@ class OpBuilder:
         build_dir.mkdir(parents=True, exist_ok=True)
         waiting_since = time.time()
         with exclusive_lock(build_dir / _LOCK):
-            info = read_json(build_dir / _MARKER)
+            info = _read_marker(build_dir)
             if info is not None:  # another process built it while we waited
                 return info
             failure = read_json(build_dir / _FAILURE)
@@ -306,6 +306,12 @@ def find_nvcc() -> str | None:
     if home and (Path(home) / "bin" / "nvcc").is_file():
         return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
+
+
+def _read_marker(build_dir: Path) -> dict | None:
+    """The marker of a complete build; None if absent or its library was deleted."""
+    info = read_json(build_dir / _MARKER)
+    return info if info is not None and (build_dir / info["file"]).is_file() else None
 
 
 def _import_extension(name: str, path: Path) -> ModuleType:

@@ -62,6 +62,12 @@ def positive_int(name: str, value) -> int:
     return value
 
 
+def non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def unit_interval(name: str, value) -> float:
     value = float(value)
     if not 0.0 <= value <= 1.0:
@@ -78,7 +84,8 @@ class Warmup:
     """The warmup fraction documented in the module docstring."""
 
     def __init__(self, num_steps, warmup_type: str):
-        positive_int("warmup_num_steps", num_steps)
+        # 0 is allowed (HF's "auto" gives it): like DeepSpeed, the length is clamped to 2 below.
+        non_negative_int("warmup_num_steps", num_steps)
         if warmup_type not in WARMUP_TYPES:
             raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
         self.num_steps = max(2, num_steps)

@@ -12,7 +12,7 @@ import inspect
 import math
 from typing import Any, Dict, List, Optional
 
-from ._schedule import Schedule, Warmup, group_lr, per_group, positive_int, unit_interval
+from ._schedule import Schedule, Warmup, group_lr, non_negative_int, per_group, positive_int, unit_interval
 from .one_cycle import OneCycle
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "SCHEDULERS", "build_scheduler"]
@@ -61,7 +61,7 @@ class WarmupDecayLR(WarmupLR):
     def __init__(self, optimizer, total_num_steps: int, warmup_min_lr=0.0, warmup_max_lr=0.001,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
         positive_int("total_num_steps", total_num_steps)
-        positive_int("warmup_num_steps", warmup_num_steps)
+        non_negative_int("warmup_num_steps", warmup_num_steps)
         if total_num_steps < warmup_num_steps:
             raise ValueError(f"total_num_steps ({total_num_steps}) must be >= warmup_num_steps "
                              f"({warmup_num_steps})")

@@ -1,0 +1,405 @@
+"""ZeRO stages side by side: torch DDP vs zeroengine stages 0/1/2 vs DeepSpeed 0.19.8 stages 1/2.
+
+    python benchmarks/bench_stages.py [--quick] [--no-deepspeed] [--out benchmarks/results/stages.json]
+
+Method
+------
+Every variant trains the same GPT (examples/gpt/model.py, same seed, same
+synthetic batches, fp32, torch AdamW with the same hyperparameters and no
+clipping) on 2 CPU ranks over gloo, one torch thread per rank.
+
+* One world per variant. Each variant gets its own 2-process world of fresh
+  interpreters (multiprocessing "spawn"), started once and kept alive for the
+  whole run. Nothing else ever runs in those processes, so their peak RSS
+  (VmHWM) and RSS growth belong to that variant alone; DDP ranks never import
+  zeroengine or DeepSpeed, DeepSpeed ranks import it before the baseline.
+* Interleaved rounds. After every world has warmed up, the orchestrator runs
+  ``--steps`` timed steps in each world in turn (A B C D ..., the starting
+  variant rotating by one each round), ``--rounds`` times. Only one world
+  computes at a time, the others sleep on their pipe. Machine drift (tens of
+  percent here, other jobs share the CPU) then hits every variant within a
+  round alike: the ratio to DDP is taken per round (median step time of the
+  variant / DDP's in the same round) and the reported ratio is the median
+  over rounds. Step time is the slower rank's wall time of forward + backward
+  + optimizer step (a barrier starts every batch of steps).
+* Memory. RSS is read before the model is built (after torch, the variant's
+  library and the process group are up) and after the timed steps; the growth
+  is compared with DESIGN.md's fp32 model-state formula per rank (Ψ params,
+  N ranks): stage 0 (and DDP) 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N.
+  zeroengine's ``engine.memory_breakdown()`` is taken in the last warm-up
+  step, between backward and step. Peak RSS is the process's high-water mark.
+* Bytes on the wire per step. zeroengine: ``zeroengine.comm.counters`` over
+  all timed steps (wire = ring-algorithm bytes a rank sends; payload = the
+  tensors handed to collectives). DDP: analytic, one all-reduce of every
+  gradient, wire 2·4Ψ(N-1)/N, payload 4Ψ. DeepSpeed: its comms logger during
+  one extra untimed step after the timed ones (the logger synchronises and
+  times every op, so it stays off while timing), put on the same footing.
+
+Results are printed as a table and written as JSON (default
+benchmarks/results/stages.json). ``--quick`` is a tiny model for smoke tests.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stages_worker import MIB, ModelShape, RunSpec, Variant, rank_main  # noqa: E402
+
+WORLD_SIZE = 2
+FULL_MODEL = ModelShape(vocab_size=8192, block_size=128, n_layer=7, n_head=8, n_embd=512)  # 26.3M params
+QUICK_MODEL = ModelShape(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stages.json"
+TARGET_STEP_RATIO = 1.10
+TARGET_RSS_RATIO = 1.25
+
+
+# --------------------------------------------------------------------------- the variants
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds of 2 steps (a smoke test)")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed variants")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 4; quick 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps before the rounds (default 3; quick 2)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per step (default 4; quick 2)")
+    p.add_argument("--bucket", type=float, default=5e7,
+                   help="reduce_bucket_size (elements) for zeroengine and DeepSpeed (default 5e7)")
+    p.add_argument("--s2-buckets", type=str, default="",
+                   help="extra zeroengine stage-2 variants at these bucket sizes, e.g. '5e6,2e6'")
+    p.add_argument("--only", type=str, default="", help="comma-separated variant names to run (ddp always runs)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for any one reply from a world")
+    return p.parse_args(argv)
+
+
+def build_variants(args) -> tuple[list[Variant], dict[str, str]]:
+    """The variants to run, and a reason for each one left out."""
+    bucket = int(args.bucket)
+    variants = [Variant("ddp", "ddp"),
+                Variant("ze-s0", "zeroengine", 0, bucket),
+                Variant("ze-s1", "zeroengine", 1, bucket),
+                Variant("ze-s2", "zeroengine", 2, bucket, overlap_comm=True)]
+    for extra in filter(None, args.s2_buckets.split(",")):
+        variants.append(Variant(f"ze-s2@{extra.strip()}", "zeroengine", 2, int(float(extra)), overlap_comm=True))
+    skipped = {}
+    if args.no_deepspeed:
+        skipped["ds-s1/ds-s2"] = "--no-deepspeed"
+    elif importlib.util.find_spec("deepspeed") is None:
+        skipped["ds-s1/ds-s2"] = "deepspeed is not installed (pip install deepspeed==0.19.8)"
+    else:
+        variants += [Variant("ds-s1", "deepspeed", 1, bucket),
+                     Variant("ds-s2", "deepspeed", 2, bucket, overlap_comm=True)]
+    if args.only:
+        keep = {"ddp"} | {n.strip() for n in args.only.split(",")}
+        variants = [v for v in variants if v.name in keep]
+    return variants, skipped
+
+
+def build_spec(args) -> tuple[RunSpec, int, int]:
+    """The run's shape, and (rounds, steps per round)."""
+    quick = args.quick
+    pick = (lambda value, full, small: value if value is not None else (small if quick else full))
+    spec = RunSpec(model=QUICK_MODEL if quick else FULL_MODEL, micro_batch=pick(args.micro_batch, 4, 2),
+                   warmup_steps=max(1, pick(args.warmup, 3, 2)), world_size=WORLD_SIZE)
+    return spec, pick(args.rounds, 5, 2), pick(args.steps, 4, 2)
+
+
+# --------------------------------------------------------------------------- worlds
+
+
+class WorldFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class World:
+    """The 2 processes of one variant and the orchestrator's pipe to each."""
+
+    variant: Variant
+    procs: list = field(default_factory=list)
+    conns: list = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def start(cls, variant: Variant, spec: RunSpec) -> "World":
+        ctx = mp.get_context("spawn")
+        world, port = cls(variant), free_port()
+        for rank in range(spec.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(variant, spec, rank, port, child), daemon=True,
+                               name=f"{variant.name}-r{rank}")
+            proc.start()
+            child.close()
+            world.procs.append(proc)
+            world.conns.append(parent)
+        return world
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def send(self, command: str, arg=None) -> None:
+        for conn in self.conns:
+            conn.send((command, arg))
+
+    def receive(self, expected: str, timeout: float) -> list[dict]:
+        """One reply per rank, in rank order; a rank's error or death fails the world."""
+        replies = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs)):
+            deadline = time.monotonic() + timeout
+            while not conn.poll(0.2):
+                if not proc.is_alive() and not conn.poll(0.2):
+                    raise WorldFailed(f"rank {rank} died (exit code {proc.exitcode}) without reporting")
+                if time.monotonic() > deadline:
+                    raise WorldFailed(f"rank {rank}: no reply within {timeout:.0f}s")
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                raise WorldFailed(f"rank {rank} closed its pipe (exit code {proc.exitcode})") from None
+            if kind == "error":
+                raise WorldFailed(f"rank {rank} failed:\n{payload}")
+            if kind != expected:
+                raise WorldFailed(f"rank {rank}: expected {expected!r}, got {kind!r}")
+            replies.append(payload)
+        return replies
+
+    def request(self, command: str, arg, expected: str, timeout: float) -> list[dict] | None:
+        """send + receive; on failure record the error, stop the processes and return None."""
+        try:
+            self.send(command, arg)
+            return self.receive(expected, timeout)
+        except (WorldFailed, BrokenPipeError, OSError) as exc:
+            self.fail(str(exc))
+            return None
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        print(f"[{self.variant.name}] FAILED: {error.strip().splitlines()[-1]}", file=sys.stderr, flush=True)
+        self.stop()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=10 if self.error is None else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def start_worlds(variants: list[Variant], spec: RunSpec, timeout: float) -> tuple[list[World], dict]:
+    """Start every world at once (set-up and warm-up are not timed) and wait for all to be ready."""
+    worlds = [World.start(v, spec) for v in variants]
+    ready = {}
+    for world in worlds:
+        try:
+            ready[world.variant.name] = world.receive("ready", timeout)
+        except WorldFailed as exc:
+            world.fail(str(exc))
+    return worlds, ready
+
+
+def run_rounds(worlds: list[World], rounds: int, steps: int, timeout: float) -> dict[str, list[dict]]:
+    """Interleaved timed rounds; per variant, per round: step times (slower rank) and last loss."""
+    results: dict[str, list[dict]] = {w.variant.name: [] for w in worlds}
+    for r in range(rounds):
+        order = worlds[r % len(worlds):] + worlds[:r % len(worlds)]
+        for world in order:
+            if not world.alive:
+                continue
+            replies = world.request("run", steps, "times", timeout)
+            if replies is None:
+                continue
+            per_step = [max(ts) for ts in zip(*(rep["times"] for rep in replies))]
+            results[world.variant.name].append({"round": r, "times_s": per_step, "loss": replies[0]["loss"]})
+        line = "  ".join(f"{w.variant.name} {statistics.median(results[w.variant.name][-1]['times_s']) * 1e3:.0f}ms"
+                         for w in worlds if w.alive and results[w.variant.name])
+        print(f"round {r + 1}/{rounds}: {line}", flush=True)
+    return results
+
+
+def finish_worlds(worlds: list[World], timeout: float) -> dict[str, list[dict]]:
+    finished = {}
+    for world in worlds:
+        if world.alive:
+            replies = world.request("finish", None, "finished", timeout)
+            if replies is not None:
+                finished[world.variant.name] = replies
+                world.stop()
+    return finished
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def formula_bytes(variant: Variant, psi: int, n: int) -> tuple[float, str]:
+    """DESIGN.md's fp32 model-state bytes per rank for this variant's stage."""
+    if variant.kind == "ddp" or variant.stage == 0:
+        return 16.0 * psi, "16Ψ"
+    if variant.stage == 1:
+        return 8.0 * psi + 8.0 * psi / n, "8Ψ+8Ψ/N"
+    return 4.0 * psi + 12.0 * psi / n, "4Ψ+12Ψ/N"
+
+
+def ddp_comm(psi: int, n: int) -> dict:
+    return {"source": "analytic: one all-reduce of every fp32 gradient (not measured)",
+            "wire_bytes_per_step": 2.0 * 4 * psi * (n - 1) / n, "payload_bytes_per_step": 4.0 * psi}
+
+
+def _model_states(breakdown: dict | None) -> int | None:
+    if not breakdown:
+        return None
+    return sum(breakdown[k] for k in ("params", "grads", "optimizer_states", "master_params"))
+
+
+def summarise(variant: Variant, ready: list[dict], rounds: list[dict], finished: list[dict] | None,
+              ddp_rounds: list[dict], n: int) -> dict:
+    psi = ready[0]["num_params"]
+    all_times = [t for rd in rounds for t in rd["times_s"]]
+    ddp_by_round = {rd["round"]: statistics.median(rd["times_s"]) for rd in ddp_rounds}
+    ratios = [statistics.median(rd["times_s"]) / ddp_by_round[rd["round"]] for rd in rounds
+              if rd["round"] in ddp_by_round]
+    formula, formula_name = formula_bytes(variant, psi, n)
+    row = {"variant": asdict(variant), "num_params": psi, "setup_s": max(r["setup_s"] for r in ready),
+           "median_step_s": statistics.median(all_times) if all_times else None,
+           "ratio_to_ddp": statistics.median(ratios) if ratios else None, "ratio_per_round": ratios,
+           "rounds": rounds, "formula": formula_name, "formula_bytes": formula}
+    if finished is None:
+        return row
+    growth = [f["rss_after"] - f["rss_before"] for f in finished]
+    breakdown = finished[0]["memory_breakdown"]
+    comm = ddp_comm(psi, n) if variant.kind == "ddp" else finished[0]["comm"]
+    row.update({
+        "peak_rss_bytes": [f["peak_rss"] for f in finished], "rss_before_bytes": [f["rss_before"] for f in finished],
+        "rss_after_bytes": [f["rss_after"] for f in finished], "rss_growth_bytes": growth,
+        "rss_growth_over_formula": max(growth) / formula,
+        "memory_breakdown": breakdown, "model_states_bytes": _model_states(breakdown),
+        "model_states_over_formula": (_model_states(breakdown) / formula) if breakdown else None,
+        "comm": comm, "final_loss": finished[0]["loss"]})
+    return row
+
+
+def _fmt(value, spec: str, scale: float = 1.0, missing: str = "-") -> str:
+    return missing if value is None else format(value / scale, spec)
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    print(header)
+    cols = (f"{'variant':<12} {'step ms':>8} {'xDDP':>6} {'wire MB':>8} {'payld MB':>8} {'states MiB':>10} "
+            f"{'formula':>16} {'peak RSS MiB':>13} {'growth MiB':>11} {'grow/form':>9} {'loss':>7}")
+    print(cols)
+    print("-" * len(cols))
+    for row in rows:
+        name = row["variant"]["name"]
+        if "error" in row:
+            print(f"{name:<12} FAILED: {row['error'].strip().splitlines()[-1][:100]}")
+            continue
+        comm = row.get("comm") or {}
+        peak = row.get("peak_rss_bytes")
+        growth = row.get("rss_growth_bytes")
+        wire_note = "*" if row["variant"]["kind"] == "ddp" else ""
+        print(f"{name:<12} {_fmt(row['median_step_s'], '.0f', 1e-3):>8} {_fmt(row['ratio_to_ddp'], '.3f'):>6} "
+              f"{_fmt(comm.get('wire_bytes_per_step'), '.1f', 1e6) + wire_note:>8} "
+              f"{_fmt(comm.get('payload_bytes_per_step'), '.1f', 1e6):>8} "
+              f"{_fmt(row.get('model_states_bytes'), '.1f', MIB):>10} "
+              f"{row['formula'] + ' ' + format(row['formula_bytes'] / MIB, '.1f'):>16} "
+              f"{(' / '.join(format(p / MIB, '.0f') for p in peak)) if peak else '-':>13} "
+              f"{(' / '.join(format(g / MIB, '.0f') for g in growth)) if growth else '-':>11} "
+              f"{_fmt(row.get('rss_growth_over_formula'), '.2f'):>9} {_fmt(row.get('final_loss'), '.4f'):>7}")
+    print("* DDP bytes are analytic (2Ψ(N-1)/N fp32 all-reduce), not measured. Peak RSS and growth: rank 0 / rank 1.")
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets for zeroengine stages 1 and 2, met or not, with the measured numbers."""
+    verdicts = []
+    for row in rows:
+        v = row["variant"]
+        if v["kind"] != "zeroengine" or v["stage"] not in (1, 2) or "error" in row:
+            continue
+        ratio, grow = row.get("ratio_to_ddp"), row.get("rss_growth_over_formula")
+        verdicts.append({"variant": v["name"], "target": f"step time <= {TARGET_STEP_RATIO}x DDP",
+                         "measured": ratio, "met": ratio is not None and ratio <= TARGET_STEP_RATIO})
+        verdicts.append({"variant": v["name"], "target": f"RSS growth <= {TARGET_RSS_RATIO}x formula",
+                         "measured": grow, "met": grow is not None and grow <= TARGET_RSS_RATIO})
+    return verdicts
+
+
+def machine_info(ready: dict) -> dict:
+    first = next(iter(ready.values()))[0] if ready else {}
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": first.get("torch"),
+            "threads_per_rank": first.get("threads"), "world_size": WORLD_SIZE, "backend": "gloo",
+            "loadavg_start": None, "loadavg_end": None}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before they import torch
+    spec, rounds, steps = build_spec(args)
+    variants, skipped = build_variants(args)
+    load_start = os.getloadavg()
+    t0 = time.perf_counter()
+    print(f"starting {len(variants)} worlds of {WORLD_SIZE} ranks: {', '.join(v.name for v in variants)}", flush=True)
+    worlds, ready = start_worlds(variants, spec, args.timeout)
+    psi = next(iter(ready.values()))[0]["num_params"] if ready else 0
+    print(f"GPT {asdict(spec.model)}: {psi:,} params ({psi / 1e6:.2f}M); micro batch {spec.micro_batch} per rank; "
+          f"warm-up {spec.warmup_steps} steps; {rounds} rounds x {steps} timed steps", flush=True)
+    timings = run_rounds(worlds, rounds, steps, args.timeout)
+    finished = finish_worlds(worlds, args.timeout)
+    load_end = os.getloadavg()
+
+    rows = []
+    for world in worlds:
+        name = world.variant.name
+        if name not in ready:
+            rows.append({"variant": asdict(world.variant), "error": world.error or "did not start"})
+            continue
+        row = summarise(world.variant, ready[name], timings[name], finished.get(name),
+                        timings.get("ddp", []), WORLD_SIZE)
+        if world.error:
+            row["error"] = world.error
+        rows.append(row)
+    machine = machine_info(ready)
+    machine.update(loadavg_start=load_start, loadavg_end=load_end)
+    header = (f"\nGPT {psi / 1e6:.2f}M params, {WORLD_SIZE} ranks x {machine['threads_per_rank']} thread, gloo, fp32, "
+              f"AdamW; {rounds} interleaved rounds x {steps} steps; {machine['cpus']} CPUs, load average "
+              f"{load_start[0]:.1f} -> {load_end[0]:.1f}; step ratio = median over rounds of (round median / DDP's)")
+    print_table(rows, header)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    verdicts = check_targets(rows)
+    for v in verdicts:
+        print(f"target {v['variant']}: {v['target']}: {_fmt(v['measured'], '.3f')} -> "
+              f"{'MET' if v['met'] else 'NOT MET'}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": machine, "model": asdict(spec.model), "num_params": psi, "spec": asdict(spec),
+        "rounds": rounds, "steps_per_round": steps, "quick": args.quick, "skipped": skipped,
+        "elapsed_s": time.perf_counter() - t0, "variants": rows, "targets": verdicts}, indent=1))
+    print(f"wrote {args.out} ({time.perf_counter() - t0:.0f}s)")
+    return 0 if all(w.alive for w in worlds) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""One rank of one variant's world, for ``bench_stages.py``.
+
+A rank is started (multiprocessing "spawn": a fresh interpreter, so its RSS
+is its own) with a :class:`Variant`, its rank and a pipe to the orchestrator.
+It joins a 2-process gloo world made for this variant alone, records its RSS
+before the model exists, builds the model and the variant's training wrapper
+(torch DDP, a zeroengine engine or a DeepSpeed engine), runs the warm-up steps
+and reports ``ready``. Then it obeys the orchestrator:
+
+* ``("run", n)``: a barrier, then ``n`` timed training steps; replies with the
+  per-step wall times and the last loss;
+* ``("finish", None)``: replies with its memory and communication figures
+  (RSS now, peak RSS, ``memory_breakdown()``, bytes communicated) and exits.
+
+Only the code of the variant being run is imported: a DDP rank never imports
+zeroengine or DeepSpeed, and DeepSpeed is imported only in DeepSpeed ranks.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one world runs. ``kind``: ``ddp``, ``zeroengine`` or ``deepspeed``."""
+
+    name: str
+    kind: str
+    stage: int = 0
+    reduce_bucket_size: int = 50_000_000
+    overlap_comm: bool = False
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: ModelShape
+    micro_batch: int
+    warmup_steps: int
+    world_size: int
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    data_batches: int = 16  # distinct batches per rank, cycled
+    seed: int = 1234
+
+
+# --------------------------------------------------------------------------- memory probes
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process: VmHWM (this exec'd image only), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --------------------------------------------------------------------------- model, data, optimizer
+
+
+def build_model(shape: ModelShape, seed: int):
+    import torch
+
+    sys.path.insert(0, str(REPO / "examples" / "gpt"))
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)  # same initial weights on every rank and in every variant
+    return GPT(GPTConfig(**asdict(shape)))
+
+
+def make_batches(spec: RunSpec, rank: int):
+    """``spec.data_batches`` (x, y) pairs for this rank from the example's learnable synthetic tokens."""
+    sys.path.insert(0, str(REPO / "examples" / "gpt"))
+    from model import SyntheticTokens
+
+    n = spec.micro_batch * spec.data_batches * spec.world_size
+    data = SyntheticTokens(n, spec.model.block_size, spec.model.vocab_size, seed=spec.seed)
+    out = []
+    for i in range(spec.data_batches):
+        first = (i * spec.world_size + rank) * spec.micro_batch
+        seqs = data.seqs[first:first + spec.micro_batch]
+        out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
+    return out
+
+
+def make_optimizer(params, spec: RunSpec):
+    """The one optimizer every variant steps: torch AdamW with torch's defaults on CPU (no foreach/fused flag)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
+
+
+# --------------------------------------------------------------------------- the variants
+
+
+class Trainer:
+    """A training step for one variant, plus what it can say about memory and communication."""
+
+    def step(self, x, y) -> float:
+        raise NotImplementedError
+
+    def probe_step(self, x, y) -> dict | None:
+        """The last warm-up step; a variant that can, returns its bytes held by kind, taken between
+        backward and step (when gradients are held)."""
+        self.step(x, y)
+        return None
+
+    def comm_start(self) -> None:
+        """Start counting communication (called after warm-up)."""
+
+    def comm_report(self, steps: int) -> dict | None:
+        return None
+
+
+class DDPTrainer(Trainer):
+    def __init__(self, model, spec: RunSpec, variant: Variant):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model = DistributedDataParallel(model)  # torch defaults: 25 MiB buckets, overlapped all-reduce
+        self.optimizer = make_optimizer(self.model.parameters(), spec)
+
+    def step(self, x, y) -> float:
+        loss = self.model(x, y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+class ZeroEngineTrainer(Trainer):
+    def __init__(self, model, spec: RunSpec, variant: Variant):
+        import zeroengine
+
+        config = {
+            "train_micro_batch_size_per_gpu": spec.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": spec.micro_batch * spec.world_size,
+            "steps_per_print": 10**9,
+            "zero_optimization": {"stage": variant.stage, "overlap_comm": variant.overlap_comm,
+                                  "contiguous_gradients": True, "reduce_bucket_size": variant.reduce_bucket_size},
+        }
+        optimizer = make_optimizer(model.parameters(), spec)
+        self.engine, _, _, _ = zeroengine.initialize(model=model, optimizer=optimizer, config=config)
+
+    def step(self, x, y) -> float:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    def probe_step(self, x, y) -> dict | None:
+        self.engine.backward(self.engine(x, y))
+        breakdown = self.engine.memory_breakdown()
+        self.engine.step()
+        return breakdown
+
+    def comm_start(self) -> None:
+        from zeroengine import comm
+
+        comm.counters.reset()
+
+    def comm_report(self, steps: int) -> dict | None:
+        from zeroengine import comm
+
+        ops = comm.counters.snapshot()
+        return {"source": "zeroengine.comm.counters",
+                "wire_bytes_per_step": sum(o["wire_bytes"] for o in ops.values()) / steps,
+                "payload_bytes_per_step": sum(o["payload_bytes"] for o in ops.values()) / steps,
+                "ops_per_step": {k: {f: v / steps for f, v in o.items()} for k, o in ops.items()}}
+
+
+class DeepSpeedTrainer(Trainer):
+    def __init__(self, model, spec: RunSpec, variant: Variant):
+        import logging
+
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        config = {
+            "train_micro_batch_size_per_gpu": spec.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": spec.micro_batch * spec.world_size,
+            "steps_per_print": 10**9,
+            # torch.optim.AdamW is on DeepSpeed's tested-with-ZeRO list; the flag only silences the check.
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": variant.stage, "overlap_comm": variant.overlap_comm,
+                                  "contiguous_gradients": True, "reduce_scatter": True,
+                                  "reduce_bucket_size": variant.reduce_bucket_size,
+                                  "allgather_bucket_size": variant.reduce_bucket_size},
+        }
+        optimizer = make_optimizer(model.parameters(), spec)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                    dist_init_required=False)
+
+    def step(self, x, y) -> float:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    def comm_report(self, steps: int) -> dict | None:
+        """Not counted during the timed steps (DeepSpeed's comms logger syncs and times every op):
+        ``finish`` runs one extra step with the logger on and reports that step."""
+        return None
+
+    def logged_comm_step(self, x, y, world: int) -> dict:
+        import deepspeed.comm as dist
+        from deepspeed.comm.comm import comms_logger
+
+        comms_logger.comms_dict.clear()
+        dist.configure(enabled=True, prof_all=True)
+        self.step(x, y)
+        dist.configure(enabled=False, prof_all=False)
+        return deepspeed_comm_bytes(comms_logger.comms_dict, world)
+
+
+def deepspeed_comm_bytes(comms_dict: dict, world: int) -> dict:
+    """Bytes per step from DeepSpeed's comms-logger records ``{op: {msg_size: [count, ...]}}``.
+
+    The logger's msg_size is the tensor argument: the per-rank input of
+    all_gather_into_tensor, the full input of reduce_scatter_tensor, the
+    tensor of all_reduce / reduce / broadcast. Payload is put on zeroengine's
+    footing (all-gather: the full output); wire bytes use the same ring
+    formulas as ``zeroengine.comm.counters``. ``reduce`` (DeepSpeed's stage 1/2
+    reduce each slice of a bucket to its owner) is counted as (N-1)/N of its
+    message per rank: a rank sends every slice it does not own.
+    """
+    share = (world - 1) / world
+    ops, payload, wire = {}, 0.0, 0.0
+    for name, sizes in comms_dict.items():
+        count = sum(rec[0] for rec in sizes.values())
+        msg = sum(size * rec[0] for size, rec in sizes.items())
+        if "all_gather" in name:
+            p, w = msg * world, msg * world * share
+        elif "reduce_scatter" in name:
+            p, w = msg, msg * share
+        elif "all_reduce" in name:
+            p, w = msg, 2 * msg * share
+        elif name == "reduce":
+            p, w = msg, msg * share
+        else:
+            p, w = msg, msg
+        ops[name] = {"calls": count, "payload_bytes": p, "wire_bytes": w}
+        payload += p
+        wire += w
+    return {"source": "deepspeed comms_logger, one extra untimed step", "wire_bytes_per_step": wire,
+            "payload_bytes_per_step": payload, "ops_per_step": ops}
+
+
+TRAINERS = {"ddp": DDPTrainer, "zeroengine": ZeroEngineTrainer, "deepspeed": DeepSpeedTrainer}
+
+
+# --------------------------------------------------------------------------- the rank's life
+
+
+def _init_world(rank: int, world: int, port: int, variant: Variant) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": "1"})
+    if variant.kind == "deepspeed":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=900))
+
+
+def _import_variant_library(variant: Variant) -> None:
+    """Import before the RSS baseline, so the baseline holds the library and growth is model states."""
+    if variant.kind == "zeroengine":
+        import zeroengine  # noqa: F401
+    elif variant.kind == "deepspeed":
+        import deepspeed  # noqa: F401
+
+
+def _timed_steps(trainer: Trainer, batches, start: int, n: int) -> tuple[list[float], float]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    times, loss = [], float("nan")
+    for i in range(start, start + n):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        loss = trainer.step(x, y)
+        times.append(time.perf_counter() - t0)
+    return times, loss
+
+
+def rank_main(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
+    """Entry point of one spawned rank (see module doc)."""
+    try:
+        _serve(variant, spec, rank, port, conn)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _serve(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
+    started = time.perf_counter()
+    _init_world(rank, spec.world_size, port, variant)
+    import torch
+    import torch.distributed as dist
+
+    _import_variant_library(variant)
+    batches = make_batches(spec, rank)
+    rss_before = rss_bytes()
+    model = build_model(spec.model, spec.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    trainer = TRAINERS[variant.kind](model, spec, variant)
+    del model  # the trainer holds it
+    for i in range(spec.warmup_steps - 1):
+        trainer.step(*batches[i % len(batches)])
+    step_index = spec.warmup_steps
+    breakdown = trainer.probe_step(*batches[(step_index - 1) % len(batches)])
+    trainer.comm_start()
+    conn.send(("ready", {"num_params": num_params, "setup_s": time.perf_counter() - started,
+                         "torch": torch.__version__, "threads": torch.get_num_threads()}))
+    timed_steps, last_loss = 0, float("nan")
+    while True:
+        command, arg = conn.recv()
+        if command == "run":
+            times, last_loss = _timed_steps(trainer, batches, step_index, arg)
+            step_index += arg
+            timed_steps += arg
+            conn.send(("times", {"times": times, "loss": last_loss}))
+        elif command == "finish":
+            comm_bytes = trainer.comm_report(max(timed_steps, 1))
+            rss_after = rss_bytes()
+            peak = peak_rss_bytes()
+            if isinstance(trainer, DeepSpeedTrainer):
+                comm_bytes = trainer.logged_comm_step(*batches[step_index % len(batches)], spec.world_size)
+            conn.send(("finished", {"rss_before": rss_before, "rss_after": rss_after, "peak_rss": peak,
+                                    "memory_breakdown": breakdown, "comm": comm_bytes, "loss": last_loss,
+                                    "steps_total": step_index}))
+            dist.destroy_process_group()
+            return
+        else:
+            raise ValueError(f"unknown command {command!r}")
