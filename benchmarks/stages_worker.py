@@ -1,7 +1,7 @@
 """One rank of one variant's world, for ``bench_stages.py``.
 
-A rank is started (multiprocessing "spawn": a fresh interpreter, so its RSS
-is its own) with a :class:`Variant`, its rank and a pipe to the orchestrator.
+A rank is started (forked from a forkserver that has imported torch only, so
+its RSS is its own) with a :class:`Variant`, its rank and a pipe to the orchestrator.
 It joins a 2-process gloo world made for this variant alone, records its RSS
 before the model exists, builds the model and the variant's training wrapper
 (torch DDP, a zeroengine engine or a DeepSpeed engine), runs the warm-up steps

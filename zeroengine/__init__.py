@@ -11,9 +11,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ConfigError": "zeroengine.config",
     "Engine": "zeroengine.engine",
-    "add_config_arguments": "zeroengine.initialize",
+    "add_config_arguments": "zeroengine.initialization",
     "init_distributed": "zeroengine.comm",
-    "initialize": "zeroengine.initialize",
+    "initialize": "zeroengine.initialization",
 }
 _SUBMODULES = {"comm", "config", "ops", "testing", "zero", "optim", "precision", "launcher"}
 
