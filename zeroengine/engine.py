@@ -21,6 +21,7 @@ class Engine:
         self.config = config
         self.policy = policy
         self.lr_scheduler = lr_scheduler
+        self.device = comm.device_for_backend()  # where inputs should go: cuda:LOCAL_RANK under NCCL, else cpu
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = local_rank

@@ -50,6 +50,7 @@ def main():
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(engine.device), y.to(engine.device)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -67,9 +68,10 @@ def main():
         print(f"done: {engine.global_steps} steps in {elapsed:.1f}s | {tokens / elapsed:,.0f} tokens/s | "
               f"loss {first:.3f} -> {last:.3f}", flush=True)
         print("memory per rank: " + ", ".join(f"{k} {v / 2**20:.1f}MiB" for k, v in mem.items()), flush=True)
-        if not last < first:
-            print("loss did not fall", file=sys.stderr)
-            sys.exit(1)
+    zeroengine.comm.shutdown()
+    if rank0 and not last < first:
+        print("loss did not fall", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

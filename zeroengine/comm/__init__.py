@@ -8,6 +8,7 @@ from .backend import (
     get_world_size,
     init_distributed,
     sequence_check_requested,
+    shutdown,
 )
 from .collectives import (
     ReduceOp,
@@ -26,5 +27,5 @@ __all__ = [
     "CollectiveMismatchError", "CommCounters", "ReduceOp", "all_gather", "all_reduce", "all_reduce_scalar",
     "all_to_all_single", "barrier", "broadcast", "counters", "default_backend", "device_for_backend",
     "disable_sequence_check", "enable_sequence_check", "get_rank", "get_world_size", "init_distributed",
-    "reduce_scatter", "ring_wire_bytes", "sequence_check_requested",
+    "reduce_scatter", "ring_wire_bytes", "sequence_check_requested", "shutdown",
 ]

@@ -66,6 +66,12 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     )
 
 
+def shutdown() -> None:
+    """Tear the process group down (call at the end of a script; NCCL warns otherwise)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def enable_sequence_check(timeout_s: float = 60.0) -> None:
     """Turn on the collective-sequence checker (debug mode) for this process."""
     from torch.distributed.distributed_c10d import _get_default_store

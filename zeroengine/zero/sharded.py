@@ -68,7 +68,9 @@ class ShardedOptimizer(ZeroOptimizer):
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
         grads = []
         for bucket, chunk_grad, pieces in zip(self.layout.buckets, self.grad_store.chunk_grads, self.pieces):
-            g = chunk_grad.to(torch.float32) if chunk_grad is not None else torch.zeros(bucket.chunk_numel)
+            if chunk_grad is None:  # never happens after a backward; zeros keep a bare step() well-defined
+                chunk_grad = torch.zeros(bucket.chunk_numel, device=self.flat_params.flat.device)
+            g = chunk_grad.to(torch.float32)
             if inv_scale != 1.0:
                 g = g * inv_scale
             lo, _ = bucket.chunk_range(self.rank)
