@@ -12,7 +12,8 @@ the table shows medians. The same run measures the memory bandwidth the step
 is bound by, as an in-place ``a.add_(b)`` (reads a and b, writes a: 12 bytes
 per element, and like the Adam step it writes only what it has just read). An
 fp32 Adam step moves 28 bytes per parameter (reads p, g, m, v; writes p, m, v),
-so its bytes/s over that bandwidth is the fraction of the attainable rate.
+so its bytes/s over that bandwidth is the fraction of the attainable rate
+(it can pass 100%: torch's add_ itself does not quite saturate memory).
 Results are printed and written to benchmarks/results/adam[_cuda].json.
 """
 from __future__ import annotations

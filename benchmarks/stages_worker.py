@@ -62,6 +62,10 @@ class RunSpec:
     weight_decay: float = 0.01
     data_batches: int = 16  # distinct batches per rank, cycled
     seed: int = 1234
+    prewarm: bool = True  # run the variant on PREWARM_MODEL first (see _prewarm)
+
+
+PREWARM_MODEL = ModelShape(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 
 
 # --------------------------------------------------------------------------- memory probes
@@ -123,10 +127,22 @@ def make_optimizer(params, spec: RunSpec):
 
 
 class Trainer:
-    """A training step for one variant, plus what it can say about memory and communication."""
+    """A training step for one variant, in three timed phases, plus what it can say about memory and comm."""
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss) -> None:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
 
     def step(self, x, y) -> float:
-        raise NotImplementedError
+        loss = self.forward(x, y)
+        self.backward(loss)
+        self.optimizer_step()
+        return float(loss.detach())
 
     def probe_step(self, x, y) -> dict | None:
         """The last warm-up step; a variant that can, returns its bytes held by kind, taken between
@@ -136,6 +152,9 @@ class Trainer:
 
     def comm_start(self) -> None:
         """Start counting communication (called after warm-up)."""
+
+    def close(self) -> None:
+        """Release what a throwaway trainer registered outside itself (hooks, groups)."""
 
     def comm_report(self, steps: int) -> dict | None:
         return None
@@ -148,39 +167,58 @@ class DDPTrainer(Trainer):
         self.model = DistributedDataParallel(model)  # torch defaults: 25 MiB buckets, overlapped all-reduce
         self.optimizer = make_optimizer(self.model.parameters(), spec)
 
-    def step(self, x, y) -> float:
-        loss = self.model(x, y)
+    def backward(self, loss) -> None:
         loss.backward()
+
+    def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
 
 
-class ZeroEngineTrainer(Trainer):
+class _EngineTrainer(Trainer):
+    """zeroengine and DeepSpeed engines share DeepSpeed's loop: engine(x, y), engine.backward, engine.step."""
+
+    engine = None
+
+    def forward(self, x, y):
+        return self.engine(x, y)
+
+    def backward(self, loss) -> None:
+        self.engine.backward(loss)
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+    def close(self) -> None:
+        destroy = getattr(self.engine, "destroy", None)
+        if destroy is not None:
+            destroy()
+
+
+def _engine_config(spec: RunSpec, variant: Variant, **zero_extra) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": spec.micro_batch * spec.world_size,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": variant.stage, "overlap_comm": variant.overlap_comm,
+                              "contiguous_gradients": True, "reduce_bucket_size": variant.reduce_bucket_size,
+                              **zero_extra},
+    }
+
+
+class ZeroEngineTrainer(_EngineTrainer):
     def __init__(self, model, spec: RunSpec, variant: Variant):
         import zeroengine
 
-        config = {
-            "train_micro_batch_size_per_gpu": spec.micro_batch,
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": spec.micro_batch * spec.world_size,
-            "steps_per_print": 10**9,
-            "zero_optimization": {"stage": variant.stage, "overlap_comm": variant.overlap_comm,
-                                  "contiguous_gradients": True, "reduce_bucket_size": variant.reduce_bucket_size},
-        }
         optimizer = make_optimizer(model.parameters(), spec)
-        self.engine, _, _, _ = zeroengine.initialize(model=model, optimizer=optimizer, config=config)
-
-    def step(self, x, y) -> float:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        return float(loss.detach())
+        self.engine, _, _, _ = zeroengine.initialize(model=model, optimizer=optimizer,
+                                                     config=_engine_config(spec, variant))
 
     def probe_step(self, x, y) -> dict | None:
-        self.engine.backward(self.engine(x, y))
+        self.backward(self.forward(x, y))
         breakdown = self.engine.memory_breakdown()
-        self.engine.step()
+        self.optimizer_step()
         return breakdown
 
     def comm_start(self) -> None:
@@ -198,41 +236,24 @@ class ZeroEngineTrainer(Trainer):
                 "ops_per_step": {k: {f: v / steps for f, v in o.items()} for k, o in ops.items()}}
 
 
-class DeepSpeedTrainer(Trainer):
+class DeepSpeedTrainer(_EngineTrainer):
     def __init__(self, model, spec: RunSpec, variant: Variant):
         import logging
 
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        config = {
-            "train_micro_batch_size_per_gpu": spec.micro_batch,
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": spec.micro_batch * spec.world_size,
-            "steps_per_print": 10**9,
-            # torch.optim.AdamW is on DeepSpeed's tested-with-ZeRO list; the flag only silences the check.
-            "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": variant.stage, "overlap_comm": variant.overlap_comm,
-                                  "contiguous_gradients": True, "reduce_scatter": True,
-                                  "reduce_bucket_size": variant.reduce_bucket_size,
-                                  "allgather_bucket_size": variant.reduce_bucket_size},
-        }
+        config = _engine_config(spec, variant, reduce_scatter=True,
+                                allgather_bucket_size=variant.reduce_bucket_size)
+        # torch.optim.AdamW is on DeepSpeed's tested-with-ZeRO list; the flag only silences the check.
+        config["zero_allow_untested_optimizer"] = True
         optimizer = make_optimizer(model.parameters(), spec)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                     dist_init_required=False)
 
-    def step(self, x, y) -> float:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        return float(loss.detach())
-
-    def comm_report(self, steps: int) -> dict | None:
-        """Not counted during the timed steps (DeepSpeed's comms logger syncs and times every op):
-        ``finish`` runs one extra step with the logger on and reports that step."""
-        return None
-
     def logged_comm_step(self, x, y, world: int) -> dict:
+        """Bytes of one extra step with DeepSpeed's comms logger on (it syncs and times every op, so it
+        stays off while timing)."""
         import deepspeed.comm as dist
         from deepspeed.comm.comm import comms_logger
 
@@ -304,16 +325,31 @@ def _import_variant_library(variant: Variant) -> None:
         import deepspeed  # noqa: F401
 
 
-def _timed_steps(trainer: Trainer, batches, start: int, n: int) -> tuple[list[float], float]:
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _timed_steps(trainer: Trainer, batches, start: int, n: int) -> tuple[dict[str, list[float]], float]:
+    """``n`` steps after a barrier: per step, the wall time of forward, backward, optimizer step and the
+    whole, and the minor page faults of the whole (memory the allocator had to get from the OS again)."""
     import torch.distributed as dist
 
     dist.barrier()
-    times, loss = [], float("nan")
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "total": [], "page_faults": []}
+    loss = float("nan")
     for i in range(start, start + n):
         x, y = batches[i % len(batches)]
+        faults = _minor_faults()
         t0 = time.perf_counter()
-        loss = trainer.step(x, y)
-        times.append(time.perf_counter() - t0)
+        out = trainer.forward(x, y)
+        t1 = time.perf_counter()
+        trainer.backward(out)
+        t2 = time.perf_counter()
+        trainer.optimizer_step()
+        t3 = time.perf_counter()
+        loss = float(out.detach())
+        for name, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, _minor_faults() - faults)):
+            times[name].append(value)
     return times, loss
 
 
@@ -327,6 +363,37 @@ def rank_main(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> No
         conn.close()
 
 
+def _release_free_heap() -> bool:
+    """glibc's malloc_trim(0): give the allocator's free pages back to the OS; False where there is none."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _prewarm(variant: Variant, spec: RunSpec, rank: int) -> None:
+    """Train a throwaway tiny GPT with the same variant for two steps, then drop it.
+
+    Whatever a first run costs regardless of model size (modules imported on
+    first use, e.g. by DDP or engine construction, libtorch code pages faulted
+    in, autograd and gloo threads, allocator arenas) is then paid before the
+    "warm" RSS baseline, so the warm growth is what this model's training adds.
+    """
+    import gc
+
+    tiny = RunSpec(model=PREWARM_MODEL, micro_batch=2, warmup_steps=2, world_size=spec.world_size,
+                   data_batches=2, seed=spec.seed)
+    trainer = TRAINERS[variant.kind](build_model(tiny.model, tiny.seed), tiny, variant)
+    for x, y in make_batches(tiny, rank):
+        trainer.step(x, y)
+    trainer.close()
+    del trainer
+    gc.collect()
+
+
 def _serve(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
     started = time.perf_counter()
     _init_world(rank, spec.world_size, port, variant)
@@ -335,15 +402,23 @@ def _serve(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
 
     _import_variant_library(variant)
     batches = make_batches(spec, rank)
-    rss_before = rss_bytes()
+    rss = {"cold": rss_bytes()}
+    if spec.prewarm:
+        _prewarm(variant, spec, rank)
+    rss["before_model"] = rss_bytes()
     model = build_model(spec.model, spec.seed)
     num_params = sum(p.numel() for p in model.parameters())
+    rss["after_model"] = rss_bytes()
     trainer = TRAINERS[variant.kind](model, spec, variant)
     del model  # the trainer holds it
+    rss["after_wrap"] = rss_bytes()
     for i in range(spec.warmup_steps - 1):
         trainer.step(*batches[i % len(batches)])
+        if i == 0:
+            rss["after_first_step"] = rss_bytes()
     step_index = spec.warmup_steps
     breakdown = trainer.probe_step(*batches[(step_index - 1) % len(batches)])
+    rss["after_warmup"] = rss_bytes()
     trainer.comm_start()
     conn.send(("ready", {"num_params": num_params, "setup_s": time.perf_counter() - started,
                          "torch": torch.__version__, "threads": torch.get_num_threads()}))
@@ -357,13 +432,14 @@ def _serve(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
             conn.send(("times", {"times": times, "loss": last_loss}))
         elif command == "finish":
             comm_bytes = trainer.comm_report(max(timed_steps, 1))
-            rss_after = rss_bytes()
+            rss["after_steps"] = rss_bytes()
             peak = peak_rss_bytes()
+            # Diagnostic only: how much of the growth is free memory the allocator kept (not held tensors).
+            rss["after_steps_malloc_trim"] = rss_bytes() if _release_free_heap() else None
             if isinstance(trainer, DeepSpeedTrainer):
                 comm_bytes = trainer.logged_comm_step(*batches[step_index % len(batches)], spec.world_size)
-            conn.send(("finished", {"rss_before": rss_before, "rss_after": rss_after, "peak_rss": peak,
-                                    "memory_breakdown": breakdown, "comm": comm_bytes, "loss": last_loss,
-                                    "steps_total": step_index}))
+            conn.send(("finished", {"rss": rss, "peak_rss": peak, "memory_breakdown": breakdown,
+                                    "comm": comm_bytes, "loss": last_loss, "steps_total": step_index}))
             dist.destroy_process_group()
             return
         else:

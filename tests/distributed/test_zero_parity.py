@@ -9,6 +9,7 @@ import torch
 import zeroengine
 from parity import base_config, global_batches, make_model, reference_run
 from zeroengine.testing import run_distributed
+from zeroengine.zero import GatheredParameters
 
 STEPS = 6
 
@@ -27,8 +28,13 @@ def train_with_engine(rank, world, stage, dtype, gas, clip, micro=2, steps=STEPS
             engine.step()
             step_loss += loss.item() / gas
         losses.append(zeroengine.comm.all_reduce_scalar(step_loss) / world)
-    params = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
-    return losses, params, engine.global_steps
+    return losses, full_state(engine), engine.global_steps
+
+
+def full_state(engine):
+    """The module's full fp32 state (stage 3 parameters are gathered for the copy)."""
+    with GatheredParameters(list(engine.module.parameters())):
+        return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
 
 
 def _assert_matches_reference(results, ref_losses, ref_params, tol):
@@ -41,7 +47,7 @@ def _assert_matches_reference(results, ref_losses, ref_params, tol):
         assert all(torch.equal(r[1][name], results[0][1][name]) for r in results)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("gas,clip", [(1, 0.0), (2, 0.5)])
 def test_fp32_matches_single_process(stage, world, gas, clip):
@@ -56,7 +62,7 @@ def test_stage2_overlapped_reduction_matches_single_process():
     _assert_matches_reference(results, ref_losses, ref_params, tol=1e-5)
 
 
-@pytest.mark.parametrize("stage,world", [(0, 2), (1, 2), (2, 2), (1, 4), (2, 4)])
+@pytest.mark.parametrize("stage,world", [(0, 2), (1, 2), (2, 2), (3, 2), (1, 4), (2, 4), (3, 4)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_16bit_tracks_fp32_loss_curve(stage, world, dtype):
     ref_losses, _ = reference_run(STEPS, 2, world, micro=2, clip=0.5)
@@ -79,10 +85,10 @@ def _train_with_optimizer(rank, world, stage, opt_type, opt_params, steps=4):
         x, y = step[0][rank]
         engine.backward(engine(x, y))
         engine.step()
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return full_state(engine)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("opt_type,opt_params,torch_cls,torch_kwargs", [
     ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
      torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
@@ -109,18 +115,18 @@ def _fp16_overflow(rank, world, stage):
     cfg = base_config(2, 1, world, 1.0, dtype="fp16", stage=stage)
     cfg["fp16"].update({"initial_scale_power": 30, "hysteresis": 1})
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
-    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    before = full_state(engine)
     x, y = global_batches(1, 1, world, 2)[0][0][rank]
     loss = engine(x, y)
     if rank == 1:
         loss = loss * float("inf")  # only rank 1 overflows; everyone must skip
     engine.backward(loss)
     engine.step()
-    unchanged = all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    unchanged = all(torch.equal(before[k], v) for k, v in full_state(engine).items())
     return engine.skipped_steps, engine.loss_scale, unchanged
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
     results = run_distributed(_fp16_overflow, 2, stage)
     assert results[0] == results[1] == (1, 2.0**29, True)

@@ -46,3 +46,10 @@ def test_bad_arguments():
         build_layout([1], 0, 10)
     with pytest.raises(ValueError):
         build_layout([1], 2, 0)
+
+
+def test_segments_never_share_a_bucket():
+    layout = build_layout([4, 4, 4, 4], world=2, bucket_numel=100, align=1, segments=[7, 7, 9, 9])
+    assert [[s.index for s in b.slots] for b in layout.buckets] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        build_layout([4], 2, 10, segments=[1, 2])

@@ -42,10 +42,18 @@ class CPUAdam(AdamBase):
         self.backend = f"cpp-{self._kernel.simd_level()}" if self._kernel else "torch"
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        return self.step_with_copy({}, closure)
+    def step(self, closure: Callable[[], float] | None = None, *,
+             copy_to: Mapping[torch.Tensor, torch.Tensor] | None = None):
+        """One optimizer step; see ``step_with_copy`` for ``copy_to``."""
+        loss = run_closure(closure)
+        copy_to = copy_to or {}
+        for group in self.param_groups:
+            hyper = AdamHyper.from_group(group)
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(param, hyper, copy_to.get(param))
+        return loss
 
-    @torch.no_grad()
     def step_with_copy(self, copy_to: Mapping[torch.Tensor, torch.Tensor],
                        closure: Callable[[], float] | None = None):
         """``step()`` that also writes each updated param into ``copy_to[param]``.
@@ -53,15 +61,10 @@ class CPUAdam(AdamBase):
         A target is a contiguous bf16 or fp16 CPU tensor with the param's numel
         (e.g. the pinned buffer the engine copies to the GPU); the kernel fills
         it in the same pass that updates the param. Params without a grad are
-        neither updated nor copied.
+        neither updated nor copied. Goes through ``step`` so optimizer hooks
+        and LR-scheduler bookkeeping see it.
         """
-        loss = run_closure(closure)
-        for group in self.param_groups:
-            hyper = AdamHyper.from_group(group)
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, hyper, copy_to.get(param))
-        return loss
+        return self.step(closure, copy_to=copy_to)
 
     def _update(self, param: torch.Tensor, hyper: AdamHyper, copy_to: torch.Tensor | None) -> None:
         if param.device.type != "cpu":

@@ -122,7 +122,7 @@ class OpBuilder:
             "name": self.name,
             "compatible": compatible,
             "reason": _failures.get(self.name, reason),
-            "built": (build_dir / _MARKER).is_file(),
+            "built": _read_marker(build_dir) is not None,
             "cache_path": str(build_dir),
         }
 

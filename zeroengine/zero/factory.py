@@ -16,11 +16,14 @@ from zeroengine.precision.master_weights import MasterWeights
 from .flat_params import FlatParamBuffer
 from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
 from .layout import build_layout
+from .gathered import register_partitioned
 from .optimizer import ZeroOptimizer
+from .partitioned_params import PartitionedParamBuffer
 from .sharded import ShardedOptimizer
+from .stage3_hooks import Stage3Hooks
 from .stage0 import DataParallelOptimizer
 
-IMPLEMENTED_STAGES = (0, 1, 2)
+IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
 
 def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy, loss_scaler,
@@ -30,6 +33,8 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
     if stage in (1, 2):
         return _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping,
                               comm_dtype)
+    if stage == 3:
+        return _build_stage3(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype)
     raise ConfigError(
         "zero_optimization.stage",
         f"stage {stage} is not available in this build yet (implemented: {IMPLEMENTED_STAGES})",
@@ -62,7 +67,7 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
     fp32_values = [p.detach() for p in params] if policy.mixed else None
     rank, world = comm.get_rank(), comm.get_world_size()
     layout = build_layout([p.numel() for p in params], world, int(zero_config.reduce_bucket_size))
-    flat = FlatParamBuffer(params, layout, policy.param_dtype)
+    flat = FlatParamBuffer(params, layout, policy.param_dtype, rank)
     module.to(policy.param_dtype)  # whatever is not trainable (buffers, frozen params) follows
     reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
     if stage == 1:
@@ -71,4 +76,34 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
         grad_store = PartitionedGradStore(flat, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients))
     sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, fp32_values, grad_store, rank)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
+    return sharded
+
+
+def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    # One unit per module that owns parameters, in reverse module order (backward order);
+    # a shared parameter belongs to the first module met.
+    params, segments, seen = [], [], set()
+    for unit, m in enumerate(reversed(list(module.modules()))):
+        for p in m._parameters.values():
+            if p is not None and id(p) in group_of and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+                segments.append(unit)
+    fp32_values = [p.detach() for p in params] if policy.mixed else None
+    rank, world = comm.get_rank(), comm.get_world_size()
+    layout = build_layout([p.numel() for p in params], world, int(zero_config.reduce_bucket_size), segments=segments)
+    buffer = PartitionedParamBuffer(params, layout, policy.param_dtype, rank)
+    module.to(policy.param_dtype)
+    hooks = Stage3Hooks(module, buffer, layout)
+    reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
+    grad_store = PartitionedGradStore(buffer, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients),
+                                      on_bucket_ready=hooks.on_bucket_grads_ready)
+    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store, rank,
+                               after_backward=hooks.release_all)
+    sharded.adopt_param_groups([group_of[id(p)] for p in params])
+    sharded.stage3_hooks = hooks
+    for bucket in layout.buckets:
+        for slot in bucket.slots:
+            register_partitioned(params[slot.index], buffer, bucket.index, sharded)
     return sharded

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from zeroengine import comm
+
 from .layout import Bucket, FlatLayout
 
 
 class FlatParamBuffer:
-    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype):
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
+                 group=None):
         self.params = params
         self.layout = layout
+        self.rank = rank
+        self.group = group
+        self.dtype = dtype
         device = params[0].device if params else torch.device("cpu")
         self.flat = torch.zeros(layout.total_numel, dtype=dtype, device=device)
         with torch.no_grad():
@@ -30,6 +36,24 @@ class FlatParamBuffer:
     def chunk_view(self, bucket: Bucket, rank: int) -> torch.Tensor:
         lo, hi = bucket.chunk_range(rank)
         return self.flat[lo:hi]
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    def after_step(self, chunks: list[torch.Tensor]) -> None:
+        """All-gather every bucket's updated chunks into every rank's parameters."""
+        works = []
+        for bucket, chunk in zip(self.layout.buckets, chunks):
+            # A copy, not the chunk itself: in fp32 the chunk aliases the all-gather's output.
+            source = chunk.to(self.flat.dtype, copy=True)
+            works.append((comm.all_gather(self.bucket_view(bucket), source, group=self.group, async_op=True), source))
+        for work, _ in works:
+            if work is not None:
+                work.wait()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [self.flat]
 
 
 def gather_chunk(params: list[torch.Tensor], bucket: Bucket, rank: int, dtype: torch.dtype) -> torch.Tensor:

@@ -109,24 +109,28 @@ class FullGradStore:
 class PartitionedGradStore:
     """Stage 2 (see module doc)."""
 
-    def __init__(self, flat_params: FlatParamBuffer, reducer: _BucketReducer, contiguous_gradients: bool):
+    def __init__(self, flat_params, reducer: _BucketReducer, contiguous_gradients: bool, on_bucket_ready=None):
         self.params = flat_params.params
         self.layout: FlatLayout = flat_params.layout
         self.reducer = reducer
-        dtype = flat_params.flat.dtype
-        device = flat_params.flat.device
+        dtype = flat_params.dtype
+        device = flat_params.device
         self.chunk_grads = [torch.zeros(b.chunk_numel, dtype=dtype, device=device) for b in self.layout.buckets]
         self._bucket_of = self.layout.bucket_of_param()
         self._ready = [0] * len(self.layout.buckets)
         self._next = 0
         # contiguous_gradients: reuse one preallocated buffer per bucket size instead of allocating per bucket.
         self._pool: dict[int, list[torch.Tensor]] | None = {} if contiguous_gradients else None
+        # Stage 3 frees a bucket's gathered parameters once all its gradients exist.
+        self._on_bucket_ready = on_bucket_ready
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
     def _make_hook(self, index: int):
         def hook(_param):
             bucket = self._bucket_of[index]
             self._ready[bucket] += 1
+            if self._on_bucket_ready is not None and self._ready[bucket] == len(self.layout.buckets[bucket].slots):
+                self._on_bucket_ready(self.layout.buckets[bucket])
             self._launch_ready(force=False)
 
         return hook

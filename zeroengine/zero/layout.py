@@ -88,11 +88,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_layout(numels: list[int], world: int, bucket_numel: int, align: int = 16) -> FlatLayout:
+def build_layout(numels: list[int], world: int, bucket_numel: int, align: int = 16,
+                 segments: list[int] | None = None) -> FlatLayout:
     """Lay out parameters of sizes ``numels`` in the order given.
 
     ``align`` (elements) keeps every chunk start SIMD- and cache-line-aligned.
+    ``segments[i]`` (optional) names the unit parameter i belongs to; a bucket
+    never spans two units, so stage 3 can gather one module's parameters
+    without touching its neighbours'.
     """
+    if segments is not None and len(segments) != len(numels):
+        raise ValueError("segments must give one unit id per parameter")
     if world < 1 or bucket_numel < 1 or align < 1:
         raise ValueError(f"world ({world}), bucket_numel ({bucket_numel}) and align ({align}) must be positive")
     unit = world * align
@@ -116,7 +122,8 @@ def build_layout(numels: list[int], world: int, bucket_numel: int, align: int = 
 
     filled = 0
     for i, n in enumerate(numels):
-        if pending and filled + n > bucket_numel:
+        new_unit = segments is not None and pending and segments[i] != segments[pending[0]]
+        if pending and (filled + n > bucket_numel or new_unit):
             close()
             filled = 0
         pending.append(i)

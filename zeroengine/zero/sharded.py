@@ -19,14 +19,14 @@ import torch
 from zeroengine import comm
 from zeroengine.memory import MemoryTally
 
-from .flat_params import FlatParamBuffer, gather_chunk
+from .flat_params import gather_chunk
 from .layout import FlatLayout
 from .optimizer import ZeroOptimizer
 
 
 class ShardedOptimizer(ZeroOptimizer):
-    def __init__(self, module, optimizer, policy, loss_scaler, gradient_clipping: float, flat_params: FlatParamBuffer,
-                 fp32_values: list[torch.Tensor] | None, grad_store, rank: int, group=None):
+    def __init__(self, module, optimizer, policy, loss_scaler, gradient_clipping: float, flat_params,
+                 fp32_values: list[torch.Tensor] | None, grad_store, rank: int, group=None, after_backward=None):
         super().__init__(optimizer, policy, loss_scaler, gradient_clipping)
         self.module = module
         self.flat_params = flat_params
@@ -42,6 +42,7 @@ class ShardedOptimizer(ZeroOptimizer):
             self.chunks = [flat_params.chunk_view(b, rank) for b in buckets]
         self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
         self._fp32_chunk_grads: list[torch.Tensor] = []
+        self._after_backward = after_backward
 
     def _pieces_of(self, bucket_index: int) -> list[torch.nn.Parameter]:
         bucket = self.layout.buckets[bucket_index]
@@ -64,12 +65,21 @@ class ShardedOptimizer(ZeroOptimizer):
     # -- ZeroOptimizer pieces ---------------------------------------------------
     def finish_backward(self, is_boundary: bool) -> None:
         self.grad_store.finish_backward(is_boundary)
+        if self._after_backward is not None:
+            self._after_backward()
+
+    def load_chunk_from_params(self, bucket_index: int) -> None:
+        """Stage 3: a parameter was edited in place (GatheredParameters); make the master chunk follow."""
+        bucket = self.layout.buckets[bucket_index]
+        src = self.flat_params.chunk_view(bucket, self.rank)
+        if self.chunks[bucket_index].data_ptr() != src.data_ptr():
+            self.chunks[bucket_index].copy_(src)
 
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
         grads = []
         for bucket, chunk_grad, pieces in zip(self.layout.buckets, self.grad_store.chunk_grads, self.pieces):
             if chunk_grad is None:  # never happens after a backward; zeros keep a bare step() well-defined
-                chunk_grad = torch.zeros(bucket.chunk_numel, device=self.flat_params.flat.device)
+                chunk_grad = torch.zeros(bucket.chunk_numel, device=self.chunks[bucket.index].device)
             g = chunk_grad.to(torch.float32)
             if inv_scale != 1.0:
                 g = g * inv_scale
@@ -86,15 +96,8 @@ class ShardedOptimizer(ZeroOptimizer):
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def _refresh_model_params(self) -> None:
-        works = []
-        for bucket, chunk in zip(self.layout.buckets, self.chunks):
-            # A copy, not the chunk itself: in fp32 the chunk aliases the all-gather's output.
-            source = chunk.to(self.flat_params.flat.dtype, copy=True)
-            works.append((comm.all_gather(self.flat_params.bucket_view(bucket), source, group=self.group,
-                                          async_op=True), source))
-        for work, _ in works:
-            if work is not None:
-                work.wait()
+        # Stages 1-2 all-gather the updated chunks; stage 3 only refreshes its local shard.
+        self.flat_params.after_step(self.chunks)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_store.zero()
@@ -106,7 +109,7 @@ class ShardedOptimizer(ZeroOptimizer):
     def memory_tally(self) -> MemoryTally:
         tally = MemoryTally()
         flat_ids = {id(p) for p in self.flat_params.params}
-        tally.add("params", [self.flat_params.flat])
+        tally.add("params", self.flat_params.held_tensors())
         tally.add("params", (p for p in self.module.parameters() if id(p) not in flat_ids))
         tally.add("grads", self.grad_store.held_tensors())
         tally.add("grads", self._fp32_chunk_grads)

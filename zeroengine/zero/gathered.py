@@ -1,0 +1,80 @@
+"""``zeroengine.zero.GatheredParameters``: full stage-3 parameters inside a ``with`` block.
+
+Like DeepSpeed's, it is collective: every rank enters it with the same
+parameters. Inside, the parameters hold their full values. With
+``modifier_rank=r``, rank r's edits are broadcast on exit and written back
+into every rank's shard (and its fp32 master chunk), so the next step starts
+from them. Parameters that are not partitioned pass through untouched.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from zeroengine import comm
+
+# id(parameter) -> (weak ref to it, its PartitionedParamBuffer, bucket index, owner that refreshes masters).
+# Keyed by id, not by tensor: tensors compare elementwise, so they cannot be dict keys by value.
+_REGISTRY: dict[int, tuple] = {}
+
+
+def register_partitioned(param: torch.nn.Parameter, buffer, bucket_index: int, owner) -> None:
+    key = id(param)
+    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), buffer, bucket_index, owner)
+
+
+def _lookup(param: torch.Tensor):
+    entry = _REGISTRY.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1:]
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    return _lookup(param) is not None
+
+
+class GatheredParameters:
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params) if isinstance(params, Iterable) else [params]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._gathered: list[tuple] = []
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        seen = {}
+        for p in self.params:
+            entry = _lookup(p)
+            if entry is not None:
+                buffer, index, owner = entry
+                seen[(id(buffer), index)] = (buffer, index, owner)
+        # The same order on every rank: the gathers are collectives.
+        for _, (buffer, index, owner) in sorted(seen.items(), key=lambda kv: kv[0][1]):
+            bucket = buffer.layout.buckets[index]
+            was_gathered = buffer.is_gathered(bucket)
+            buffer.gather(bucket)
+            self._gathered.append((buffer, bucket, owner, was_gathered))
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.enabled:
+            return False
+        for buffer, bucket, owner, was_gathered in self._gathered:
+            if self.modifier_rank is not None and exc_type is None:
+                full = buffer.full[bucket.index]
+                comm.broadcast(full, src=self.modifier_rank, group=buffer.group)
+                with torch.no_grad():
+                    lo, hi = bucket.chunk_range(buffer.rank)
+                    start = lo - bucket.flat_start
+                    buffer.chunk_view(bucket, buffer.rank).copy_(full[start:start + (hi - lo)])
+                owner.load_chunk_from_params(bucket.index)
+            if not was_gathered:
+                buffer.release(bucket)
+        self._gathered = []
+        return False
