@@ -299,11 +299,14 @@ def summarise(variant: Variant, ready: list[dict], rounds: list[dict], finished:
     ddp_by_round = {rd["round"]: statistics.median(rd["times_s"]) for rd in ddp_rounds}
     ratios = [statistics.median(rd["times_s"]) / ddp_by_round[rd["round"]] for rd in rounds
               if rd["round"] in ddp_by_round]
+    ddp_cpu = _median_or_none([t for rd in ddp_rounds for t in rd["phases_s"]["cpu"]])
+    cpu = _median_or_none([t for rd in rounds for t in rd["phases_s"]["cpu"]])
     formula, formula_name = formula_bytes(variant, psi, n)
     row = {"variant": asdict(variant), "num_params": psi, "setup_s": max(r["setup_s"] for r in ready),
            "median_step_s": _median_or_none([t for rd in rounds for t in rd["times_s"]]),
            "median_phase_s": {ph: _median_or_none([t for rd in rounds for t in rd["phases_s"][ph]])
                               for ph in ("forward", "backward", "step")},
+           "median_cpu_s_per_step": cpu, "cpu_ratio_to_ddp": cpu / ddp_cpu if cpu and ddp_cpu else None,
            "median_page_faults_per_step": _median_or_none([t for rd in rounds for t in rd["phases_s"]["page_faults"]]),
            "ratio_to_ddp": _median_or_none(ratios), "ratio_per_round": ratios,
            "rounds": rounds, "formula": formula_name, "formula_bytes": formula}
@@ -338,7 +341,7 @@ def _pair(values, scale: float = MIB) -> str:
 
 def print_time_table(rows: list[dict]) -> None:
     cols = (f"{'variant':<12} {'step ms':>8} {'xDDP':>6} {'rounds xDDP':>13} {'fwd ms':>7} {'bwd ms':>7} "
-            f"{'opt ms':>7} {'faults':>7} {'wire MB':>8} {'payld MB':>8} {'loss':>7}")
+            f"{'opt ms':>7} {'CPU ms':>7} {'CPU xDDP':>8} {'faults':>7} {'wire MB':>8} {'payld MB':>8} {'loss':>7}")
     print(cols + "\n" + "-" * len(cols))
     for row in rows:
         name = row["variant"]["name"]
@@ -351,11 +354,12 @@ def print_time_table(rows: list[dict]) -> None:
         mark = "*" if row["variant"]["kind"] == "ddp" else ("+" if row["variant"]["kind"] == "deepspeed" else "")
         print(f"{name:<12} {_fmt(row['median_step_s'], '.0f', 1e-3):>8} {_fmt(row['ratio_to_ddp'], '.3f'):>6} "
               f"{spread:>13} {_fmt(ph['forward'], '.0f', 1e-3):>7} {_fmt(ph['backward'], '.0f', 1e-3):>7} "
-              f"{_fmt(ph['step'], '.0f', 1e-3):>7} {_fmt(row['median_page_faults_per_step'], '.0f'):>7} {_fmt(comm.get('wire_bytes_per_step'), '.1f', 1e6) + mark:>8} "
+              f"{_fmt(ph['step'], '.0f', 1e-3):>7} {_fmt(row['median_cpu_s_per_step'], '.0f', 1e-3):>7} {_fmt(row['cpu_ratio_to_ddp'], '.3f'):>8} {_fmt(row['median_page_faults_per_step'], '.0f'):>7} {_fmt(comm.get('wire_bytes_per_step'), '.1f', 1e6) + mark:>8} "
               f"{_fmt(comm.get('payload_bytes_per_step'), '.1f', 1e6):>8} {_fmt(row.get('final_loss'), '.4f'):>7}")
     print("step = forward + backward + optimizer step, slower rank, median of all timed steps; xDDP = median over\n"
-          "rounds of (variant's round median / DDP's round median). faults: minor page faults per step (the\n"
-          "larger rank's; 4 KiB pages the allocator took from the OS again). Bytes per step per rank: * DDP analytic\n"
+          "rounds of (variant's round median / DDP's round median). CPU: the process's CPU time per step (all\n"
+          "threads, the larger rank; less sensitive to other jobs than wall time), median, and its ratio to DDP's.\n"
+          "faults: minor page faults per step (4 KiB pages the allocator took from the OS again). Bytes per step per rank: * DDP analytic\n"
           "(2·4Ψ(N-1)/N, not measured); + DeepSpeed from its comms logger in one extra untimed step.")
 
 

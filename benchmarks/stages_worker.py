@@ -325,21 +325,25 @@ def _import_variant_library(variant: Variant) -> None:
         import deepspeed  # noqa: F401
 
 
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _usage() -> tuple[float, int]:
+    """(CPU seconds of every thread of this process, minor page faults) so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_minflt
 
 
 def _timed_steps(trainer: Trainer, batches, start: int, n: int) -> tuple[dict[str, list[float]], float]:
     """``n`` steps after a barrier: per step, the wall time of forward, backward, optimizer step and the
-    whole, and the minor page faults of the whole (memory the allocator had to get from the OS again)."""
+    whole; the process's CPU time (all threads: compute, copies, gloo) and its minor page faults (memory
+    the allocator had to get from the OS again) over the whole step."""
     import torch.distributed as dist
 
     dist.barrier()
-    times: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "total": [], "page_faults": []}
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "total": [], "cpu": [],
+                                     "page_faults": []}
     loss = float("nan")
     for i in range(start, start + n):
         x, y = batches[i % len(batches)]
-        faults = _minor_faults()
+        cpu, faults = _usage()
         t0 = time.perf_counter()
         out = trainer.forward(x, y)
         t1 = time.perf_counter()
@@ -348,7 +352,8 @@ def _timed_steps(trainer: Trainer, batches, start: int, n: int) -> tuple[dict[st
         trainer.optimizer_step()
         t3 = time.perf_counter()
         loss = float(out.detach())
-        for name, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, _minor_faults() - faults)):
+        cpu_end, faults_end = _usage()
+        for name, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, cpu_end - cpu, faults_end - faults)):
             times[name].append(value)
     return times, loss
 

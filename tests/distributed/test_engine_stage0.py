@@ -106,3 +106,27 @@ def test_config_scheduler_steps_per_optimizer_step_and_loader_shards_data():
     # engine.step() advances one iteration: linear warmup of 0.01/4 per step.
     assert lrs0 == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01])
     assert sorted(seen0 + seen1) == list(range(20))  # each sample read by exactly one rank
+
+
+def _static_scale_and_debug(rank, world):
+    cfg = base_config(2, 1, world, 1.0, dtype="fp16", stage=2)
+    cfg["fp16"] = {"enabled": True, "loss_scale": 128}
+    cfg["comm_debug"] = True
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    checking = comm.backend.state.checker is not None
+    losses = []
+    x, y = global_batches(1, 1, world, 2)[0][0][rank]
+    for _ in range(3):  # the same batch each step, so the loss must fall
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    comm.disable_sequence_check()
+    return checking, engine.loss_scale, engine.skipped_steps, losses
+
+
+def test_static_loss_scale_and_comm_debug_from_config():
+    for checking, scale, skipped, losses in run_distributed(_static_scale_and_debug, 2):
+        assert checking  # "comm_debug": true turned the collective-sequence checker on
+        assert scale == 128 and skipped == 0  # a static scale never moves
+        assert losses[-1] < losses[0]

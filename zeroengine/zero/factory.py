@@ -76,6 +76,7 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
         grad_store = PartitionedGradStore(flat, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients))
     sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, fp32_values, grad_store, rank)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
+    _register(sharded, flat, params)
     return sharded
 
 
@@ -103,7 +104,12 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
                                after_backward=hooks.release_all)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
     sharded.stage3_hooks = hooks
-    for bucket in layout.buckets:
-        for slot in bucket.slots:
-            register_partitioned(params[slot.index], buffer, bucket.index, sharded)
+    _register(sharded, buffer, params)
     return sharded
+
+
+def _register(sharded, buffer, params) -> None:
+    """Let GatheredParameters and the full-value helpers find each parameter's shard."""
+    for bucket in buffer.layout.buckets:
+        for slot in bucket.slots:
+            register_partitioned(params[slot.index], buffer, bucket.index, sharded, slot.index)

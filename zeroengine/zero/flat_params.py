@@ -55,6 +55,13 @@ class FlatParamBuffer:
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.flat]
 
+    def full_shape(self, index: int) -> torch.Size:
+        return self.params[index].shape
+
+    def set_param_value(self, slot, bucket, flat_value: torch.Tensor) -> None:
+        """Every rank holds the full parameter: write all of it."""
+        self.flat[slot.flat_start:slot.flat_end].copy_(flat_value)
+
 
 def gather_chunk(params: list[torch.Tensor], bucket: Bucket, rank: int, dtype: torch.dtype) -> torch.Tensor:
     """A new tensor holding ``rank``'s chunk of ``bucket`` read from the (unflattened) ``params``; padding is 0."""

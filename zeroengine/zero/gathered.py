@@ -15,14 +15,15 @@ import torch
 
 from zeroengine import comm
 
-# id(parameter) -> (weak ref to it, its PartitionedParamBuffer, bucket index, owner that refreshes masters).
+# id(parameter) -> (weak ref to it, its param buffer, bucket index, the ShardedOptimizer owning it, its index).
 # Keyed by id, not by tensor: tensors compare elementwise, so they cannot be dict keys by value.
 _REGISTRY: dict[int, tuple] = {}
 
 
-def register_partitioned(param: torch.nn.Parameter, buffer, bucket_index: int, owner) -> None:
+def register_partitioned(param: torch.nn.Parameter, buffer, bucket_index: int, owner, param_index: int) -> None:
     key = id(param)
-    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), buffer, bucket_index, owner)
+    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), buffer, bucket_index, owner,
+                      param_index)
 
 
 def _lookup(param: torch.Tensor):
@@ -33,7 +34,9 @@ def _lookup(param: torch.Tensor):
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
-    return _lookup(param) is not None
+    """True for a stage-3 parameter (empty between uses)."""
+    entry = _lookup(param)
+    return entry is not None and hasattr(entry[0], "gather")
 
 
 class GatheredParameters:
@@ -51,8 +54,8 @@ class GatheredParameters:
         seen = {}
         for p in self.params:
             entry = _lookup(p)
-            if entry is not None:
-                buffer, index, owner = entry
+            if entry is not None and hasattr(entry[0], "gather"):  # only stage 3 partitions parameters
+                buffer, index, owner, _ = entry
                 seen[(id(buffer), index)] = (buffer, index, owner)
         # The same order on every rank: the gathers are collectives.
         for _, (buffer, index, owner) in sorted(seen.items(), key=lambda kv: kv[0][1]):

@@ -90,5 +90,16 @@ class PartitionedParamBuffer:
                     self.full[bucket.index] = None
                     self.gather(bucket)
 
+    def set_param_value(self, slot, bucket: Bucket, flat_value: torch.Tensor) -> None:
+        """Keep this rank's slice of a new full value (and the gathered copy, if any)."""
+        lo, hi = bucket.chunk_range(self.rank)
+        a, b = max(lo, slot.flat_start), min(hi, slot.flat_end)
+        if a < b:
+            self.chunk_view(bucket, self.rank)[a - lo:b - lo].copy_(flat_value[a - slot.flat_start:b - slot.flat_start])
+        full = self.full[bucket.index]
+        if full is not None:
+            start = slot.flat_start - bucket.flat_start
+            full[start:start + slot.numel].copy_(flat_value)
+
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.shard] + [f for f in self.full if f is not None]

@@ -1,0 +1,55 @@
+"""Smoke test of benchmarks/bench_stages.py: --quick runs every (non-DeepSpeed) variant and writes sane JSON.
+
+Nothing here asserts a timing or a memory target: the benchmark reports those,
+side by side; the test only checks that it runs and that every number is there.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(REPO, "benchmarks", "bench_stages.py")
+VARIANTS = {"ddp", "ze-s0", "ze-s1", "ze-s2"}
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_variant_with_finite_numbers(tmp_path):
+    out = tmp_path / "stages.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, BENCH, "--quick", "--no-deepspeed", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "xDDP" in proc.stdout and "peak RSS" in proc.stdout
+
+    result = json.loads(out.read_text())
+    rows = {row["variant"]["name"]: row for row in result["variants"]}
+    assert set(rows) == VARIANTS
+    psi = result["num_params"]
+    assert psi > 0
+    for name, row in rows.items():
+        assert "error" not in row, (name, row.get("error"))
+        assert row["num_params"] == psi
+        for key in ("median_step_s", "ratio_to_ddp", "formula_bytes", "rss_growth_over_formula",
+                    "rss_growth_cold_over_formula", "final_loss"):
+            assert _finite(row[key]), (name, key, row[key])
+        assert row["median_step_s"] > 0
+        assert all(_finite(p) and p > 0 for p in row["peak_rss_bytes"]), (name, row["peak_rss_bytes"])
+        assert all(_finite(g) for g in row["rss_growth_bytes"]), (name, row["rss_growth_bytes"])
+        assert _finite(row["comm"]["wire_bytes_per_step"]) and row["comm"]["wire_bytes_per_step"] > 0, name
+        assert _finite(row["comm"]["payload_bytes_per_step"]), name
+    assert rows["ddp"]["ratio_to_ddp"] == 1.0
+    for name in ("ze-s0", "ze-s1", "ze-s2"):
+        # memory_breakdown() is there, and (exactly, up to alignment padding) DESIGN.md's formula
+        assert abs(rows[name]["model_states_over_formula"] - 1.0) < 0.1, (name, rows[name]["model_states_over_formula"])
+    # same model, seed and batches: every variant ends at the same loss
+    losses = [row["final_loss"] for row in rows.values()]
+    assert max(losses) - min(losses) < 1e-3, losses

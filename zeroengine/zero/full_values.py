@@ -1,0 +1,100 @@
+"""Full values of a sharded parameter, on demand (DeepSpeed's ``safe_get_full_*`` helpers).
+
+Under ZeRO a rank holds a slice of each parameter's fp32 master, gradient and
+optimizer state (and at stage 3 of the parameter itself), so ``param.grad`` is
+None and a stage-3 ``param`` is empty. These functions return (or set) the
+full tensors. The getters are collective: every rank calls them with the same
+parameter, in the same order. The setters are local: every rank passes the
+same full value and keeps its own slice.
+"""
+from __future__ import annotations
+
+import torch
+
+from zeroengine import comm
+
+from .gathered import _lookup
+
+
+def _entry(param: torch.Tensor):
+    entry = _lookup(param)
+    if entry is None:
+        raise ValueError("this parameter is not sharded by a zeroengine ZeRO stage (1-3); "
+                         "read it (and its .grad) directly")
+    buffer, bucket_index, owner, param_index = entry
+    bucket = buffer.layout.buckets[bucket_index]
+    slot = next(s for s in bucket.slots if s.index == param_index)
+    return owner, bucket, slot, buffer.full_shape(param_index)
+
+
+def _gather_slice(owner, bucket, slot, shape, chunk: torch.Tensor) -> torch.Tensor:
+    full = torch.empty(bucket.padded_numel, dtype=chunk.dtype, device=chunk.device)
+    comm.all_gather(full, chunk.contiguous(), group=owner.group)
+    start = slot.flat_start - bucket.flat_start
+    return full[start:start + slot.numel].view(shape).clone()
+
+
+def _own_range(owner, bucket, slot):
+    """(start in this rank's chunk, start in the parameter, length) of the slice this rank owns, or None."""
+    lo, hi = bucket.chunk_range(owner.rank)
+    a, b = max(lo, slot.flat_start), min(hi, slot.flat_end)
+    if a >= b:
+        return None
+    return a - lo, a - slot.flat_start, b - a
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    owner, bucket, slot, shape = _entry(param)
+    return _gather_slice(owner, bucket, slot, shape, owner.chunks[bucket.index].float())
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The averaged, unscaled fp32 gradient; None before the accumulation boundary's reduction."""
+    owner, bucket, slot, shape = _entry(param)
+    chunk = owner.grad_store.chunk_grads[bucket.index]
+    present = comm.all_reduce_scalar(0.0 if chunk is None else 1.0, op=comm.ReduceOp.MIN, group=owner.group)
+    if present == 0.0:
+        return None
+    return _gather_slice(owner, bucket, slot, shape, chunk.float() / owner.loss_scale)
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, key: str) -> torch.Tensor | None:
+    """The full ``optimizer.state[param][key]`` (e.g. "exp_avg"); None before the first step."""
+    owner, bucket, slot, shape = _entry(param)
+    chunk = torch.zeros(bucket.chunk_numel, dtype=torch.float32, device=owner.chunks[bucket.index].device)
+    found = 0.0
+    for (s, a, b), piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
+        value = owner.optimizer.state.get(piece, {}).get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            start = s.flat_start + a - bucket.chunk_range(owner.rank)[0]
+            chunk[start:start + (b - a)] = value.float()
+            found = 1.0
+    if comm.all_reduce_scalar(found, op=comm.ReduceOp.MAX, group=owner.group) == 0.0:
+        return None
+    return _gather_slice(owner, bucket, slot, shape, chunk)
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set the parameter (fp32 master and model copy) from a full value every rank passes alike."""
+    owner, bucket, slot, shape = _entry(param)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"value has shape {tuple(value.shape)}, the parameter {tuple(shape)}")
+    flat = value.detach().reshape(-1)
+    own = _own_range(owner, bucket, slot)
+    with torch.no_grad():
+        if own is not None:
+            c, p, n = own
+            owner.chunks[bucket.index][c:c + n].copy_(flat[p:p + n])
+        owner.flat_params.set_param_value(slot, bucket, flat)
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+    owner, bucket, slot, shape = _entry(param)
+    flat = value.detach().reshape(-1)
+    for (s, a, b), piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
+        if s.index == slot.index:
+            state = owner.optimizer.state.get(piece)
+            if state is None or key not in state:
+                raise ValueError(f"optimizer state {key!r} does not exist yet (take one step first)")
+            with torch.no_grad():
+                state[key].copy_(flat[a:b])
