@@ -7,6 +7,7 @@ import os
 import torch
 
 from zeroengine import comm
+from zeroengine.capabilities import check_supported
 from zeroengine.config import ConfigError, load_config
 from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine
@@ -70,6 +71,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if dist_init_required is not False:
         comm.init_distributed()
     cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
+    check_supported(cfg)
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()
 

@@ -13,12 +13,18 @@ logger = logging.getLogger("zeroengine")
 
 
 def get_logger() -> logging.Logger:
-    if not logger.handlers:
+    """The "zeroengine" logger at INFO.
+
+    It prints by itself only when the application has not configured logging
+    (no root handler); otherwise records propagate to the application's
+    handlers like any library's, with no duplicate lines.
+    """
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[zeroengine] %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
     return logger
 
 

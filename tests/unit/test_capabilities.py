@@ -1,0 +1,38 @@
+"""Features the schema accepts but this build cannot run are refused before training, not ignored."""
+import warnings
+
+import pytest
+
+from zeroengine.capabilities import check_supported
+from zeroengine.config import ConfigError, load_config
+
+
+def _cfg(**extra):
+    return load_config({"train_micro_batch_size_per_gpu": 1, **extra})
+
+
+@pytest.mark.parametrize("extra,key", [
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
+    ({"monitor": {"tensorboard": {"enabled": True}}}, "monitor"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
+    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
+     "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+])
+def test_unimplemented_features_are_refused_with_their_key(extra, key):
+    with pytest.raises(ConfigError) as err:
+        check_supported(_cfg(**extra))
+    assert err.value.key_path == key and "not implemented" in str(err.value)
+
+
+def test_disabled_blocks_and_defaults_pass_quietly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_supported(_cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "none"}},
+                             monitor={"csv": {"enabled": False}}, activation_checkpointing={}))
+        check_supported(_cfg(zero_optimization={"stage": 3}))
+
+
+def test_stage3_tuning_knobs_are_named_in_a_warning():
+    with pytest.warns(UserWarning, match="stage3_prefetch_bucket_size"):
+        check_supported(_cfg(zero_optimization={"stage": 3, "stage3_prefetch_bucket_size": 1000}))
