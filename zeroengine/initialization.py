@@ -92,6 +92,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         cfg.zero_optimization.stage, model, torch_optimizer, policy, loss_scaler,
         cfg.zero_optimization, cfg.gradient_clipping,
         comm_dtype=_COMM_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
+        allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
     )
     scheduler = _resolve_scheduler(cfg, torch_optimizer, lr_scheduler)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

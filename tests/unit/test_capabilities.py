@@ -36,3 +36,16 @@ def test_disabled_blocks_and_defaults_pass_quietly():
 def test_stage3_tuning_knobs_are_named_in_a_warning():
     with pytest.warns(UserWarning, match="stage3_prefetch_bucket_size"):
         check_supported(_cfg(zero_optimization={"stage": 3, "stage3_prefetch_bucket_size": 1000}))
+
+
+def test_non_elementwise_optimizers_need_the_explicit_opt_in():
+    import torch
+
+    from zeroengine.zero.factory import check_shardable
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    check_shardable(torch.optim.SGD(params, lr=0.1), allow_untested=False)
+    with pytest.raises(ConfigError, match="LBFGS is not known to be elementwise") as err:
+        check_shardable(torch.optim.LBFGS(params), allow_untested=False)
+    assert err.value.key_path == "zero_allow_untested_optimizer"
+    check_shardable(torch.optim.LBFGS(params), allow_untested=True)

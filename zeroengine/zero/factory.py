@@ -27,7 +27,10 @@ IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
 
 def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy, loss_scaler,
-                         zero_config, gradient_clipping: float, comm_dtype: torch.dtype | None) -> ZeroOptimizer:
+                         zero_config, gradient_clipping: float, comm_dtype: torch.dtype | None,
+                         allow_untested_optimizer: bool = False) -> ZeroOptimizer:
+    if stage > 0:
+        check_shardable(optimizer, allow_untested_optimizer)
     if stage == 0:
         return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype)
     if stage in (1, 2):
@@ -39,6 +42,24 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
         "zero_optimization.stage",
         f"stage {stage} is not available in this build yet (implemented: {IMPLEMENTED_STAGES})",
     )
+
+
+# Optimizers whose update of an element depends only on that element's own
+# gradient and state: stepping a flat shard gives exactly the unsharded result.
+_ELEMENTWISE = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Rprop", "CPUAdam",
+                "FusedAdam")
+
+
+def check_shardable(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
+    """Stages 1-3 step flat slices; an optimizer that looks at whole tensors (LAMB's trust ratio,
+    Adafactor's factored moments, L-BFGS) would silently compute something else."""
+    name = type(optimizer).__name__
+    if name in _ELEMENTWISE or allow_untested:
+        return
+    raise ConfigError("zero_allow_untested_optimizer",
+                      f"{name} is not known to be elementwise, and ZeRO stages 1-3 step flat shards of each "
+                      f"parameter; use one of {', '.join(_ELEMENTWISE)}, stage 0, or set "
+                      "zero_allow_untested_optimizer: true if its update is elementwise")
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
