@@ -4,6 +4,7 @@ import torch
 
 import zeroengine
 from parity import base_config, global_batches, make_model, reference_run
+from zeroengine.zero import GatheredParameters
 
 pytestmark = pytest.mark.gpu
 STEPS = 6
@@ -23,10 +24,11 @@ def _train(stage, dtype, gas=2, clip=0.5):
             engine.step()
             total += loss.item() / gas
         losses.append(total)
-    return losses, {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
+    with GatheredParameters(list(engine.module.parameters())):
+        return losses, {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_on_cuda_matches_cpu_reference(stage):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -38,7 +40,7 @@ def test_fp32_on_cuda_matches_cpu_reference(stage):
         torch.testing.assert_close(params[name], ref, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_16bit_on_cuda_tracks_fp32(stage, dtype):
     ref_losses, _ = reference_run(STEPS, 2, 1, micro=4, clip=0.5)
