@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from zeroengine.ops import adam as adam_module
+from zeroengine.ops import builder as builder_module
 from zeroengine.ops._adam_common import AdamHyper, _reference_adam_step
 from zeroengine.ops.adam import CPUAdam
 from zeroengine.ops.op_builders import CPUAdamBuilder
@@ -162,7 +162,7 @@ def test_rejects_amsgrad_and_cuda_impl_names():
 
 def test_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(CPUAdamBuilder, "is_compatible", lambda self: (False, "simulated"))
-    monkeypatch.setattr(adam_module, "_warned_fallback", False)
+    monkeypatch.setattr(builder_module, "_WARNED_FALLBACK", set())
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.warns(RuntimeWarning, match="simulated"):
         assert CPUAdam(params).backend == "torch"

@@ -3,7 +3,7 @@ fallback matches torch.optim, and on a GPU the multi-tensor kernel does too."""
 import pytest
 import torch
 
-from zeroengine.ops import fused_adam as fused_adam_module
+from zeroengine.ops import builder as builder_module
 from zeroengine.ops._adam_common import AdamHyper, _reference_adam_step
 from zeroengine.ops.adam import FusedAdam
 from zeroengine.ops.builder import find_nvcc
@@ -49,7 +49,7 @@ def test_cuda_source_compiles(tmp_path):
 def test_without_cuda_falls_back_with_reason(monkeypatch):
     status = FusedAdamBuilder().status()
     assert not status["compatible"] and "without CUDA" in status["reason"]
-    monkeypatch.setattr(fused_adam_module, "_warned_fallback", False)
+    monkeypatch.setattr(builder_module, "_WARNED_FALLBACK", set())
     with pytest.warns(RuntimeWarning, match="without CUDA"):
         assert FusedAdam([torch.nn.Parameter(torch.zeros(2))]).backend == "torch-fused"
 

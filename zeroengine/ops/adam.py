@@ -2,20 +2,18 @@
 CPU-resident and offloaded optimizer state) and ``FusedAdam`` (CUDA)."""
 from __future__ import annotations
 
-import warnings
-from types import ModuleType
 from typing import Callable, Iterable, Mapping
 
 import torch
 
 from zeroengine.ops._adam_common import AdamBase, AdamHyper, _reference_adam_step, run_closure
 from zeroengine.ops.fused_adam import FusedAdam
+from zeroengine.ops.builder import load_kernel
 from zeroengine.ops.op_builders import CPUAdamBuilder
 
 __all__ = ["CPUAdam", "FusedAdam"]
 
 _COPY_DTYPES = (torch.bfloat16, torch.float16)
-_warned_fallback = False
 
 
 class CPUAdam(AdamBase):
@@ -90,14 +88,5 @@ def _check_copy_target(param: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"copy target has {target.numel()} elements, param has {param.numel()}")
 
 
-def _load_kernel(required: bool) -> ModuleType | None:
-    builder = CPUAdamBuilder()
-    if required:
-        return builder.load()
-    kernel = builder.load_or_none()
-    global _warned_fallback
-    if kernel is None and not _warned_fallback:
-        _warned_fallback = True
-        warnings.warn(f"CPUAdam: C++ kernel unavailable ({builder.status()['reason']}); "
-                      "using the slower PyTorch reference step", RuntimeWarning, stacklevel=3)
-    return kernel
+def _load_kernel(required: bool):
+    return load_kernel(CPUAdamBuilder(), required, "CPUAdam", "the slower PyTorch reference step")

@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -296,6 +297,21 @@ class CUDAOpBuilder(OpBuilder):
             capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
             arch = ";".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
         return [*super()._hash_extras(), str(find_nvcc()), arch or ""]
+
+
+_WARNED_FALLBACK: set[str] = set()
+
+
+def load_kernel(builder: OpBuilder, required: bool, optimizer: str, fallback: str) -> ModuleType | None:
+    """The op's compiled module; without ``required``, None (and one RuntimeWarning per op) when unavailable."""
+    if required:
+        return builder.load()
+    kernel = builder.load_or_none()
+    if kernel is None and builder.name not in _WARNED_FALLBACK:
+        _WARNED_FALLBACK.add(builder.name)
+        warnings.warn(f"{optimizer}: {builder.name} op unavailable ({builder.status()['reason']}); using {fallback}",
+                      RuntimeWarning, stacklevel=3)
+    return kernel
 
 
 def find_nvcc() -> str | None:

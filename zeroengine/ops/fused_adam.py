@@ -1,16 +1,15 @@
 """FusedAdam: Adam/AdamW for CUDA params, many tensors per kernel launch."""
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from typing import Callable, Iterable
 
 import torch
 
 from zeroengine.ops._adam_common import AdamBase, AdamHyper, run_closure
+from zeroengine.ops.builder import load_kernel
 from zeroengine.ops.op_builders import FusedAdamBuilder
 
-_warned_fallback = False
 
 
 class FusedAdam(AdamBase):
@@ -80,13 +79,4 @@ def _torch_fused_step(params: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 def _load_kernel(required: bool):
-    builder = FusedAdamBuilder()
-    if required:
-        return builder.load()
-    kernel = builder.load_or_none()
-    global _warned_fallback
-    if kernel is None and not _warned_fallback:
-        _warned_fallback = True
-        warnings.warn(f"FusedAdam: CUDA op unavailable ({builder.status()['reason']}); "
-                      "using torch's fused Adam kernel", RuntimeWarning, stacklevel=3)
-    return kernel
+    return load_kernel(FusedAdamBuilder(), required, "FusedAdam", "torch's fused Adam kernel")
