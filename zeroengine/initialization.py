@@ -114,7 +114,8 @@ def _resolve_optimizer(cfg, model, optimizer, model_parameters):
         raise ConfigError("optimizer", "no optimizer: add an 'optimizer' section to the config "
                           "or pass optimizer= to initialize()")
     if optimizer is None:
-        torch_optimizer = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params)
+        torch_optimizer = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params,
+                                          offload_optimizer=cfg.zero_optimization.offload_optimizer is not None)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         torch_optimizer = optimizer(params)
     else:

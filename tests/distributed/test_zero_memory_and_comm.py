@@ -13,9 +13,11 @@ FORMULA = {
 }
 
 
-def _measure(rank, world, stage, dtype):
+def _measure(rank, world, stage, dtype, offload=False):
     cfg = base_config(2, 1, world, clip=1.0, dtype=dtype, stage=stage)
     cfg["zero_optimization"]["reduce_bucket_size"] = 20_000
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
     layout = engine.optimizer.layout
     psi = layout.param_numel  # (stage 3's module parameters are empty between uses)
@@ -59,3 +61,13 @@ def test_bytes_on_the_wire_equal_plain_data_parallel(stage):
     assert 0 <= padded - psi < buckets * world * 16
     # the only other traffic is the one-number gradient-norm reduction
     assert wire["all_reduce"]["calls"] == 1 and wire["all_reduce"]["payload_bytes"] == 8
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_offload_keeps_an_fp32_master_shard_beside_its_state(stage):
+    world = 2
+    psi, padded, _, mem, _ = run_distributed(_measure, world, stage, "fp32", True)[0]
+    # fp32 training steps the parameters in place; offloaded, it steps fp32 masters in CPU
+    # memory instead (DeepSpeed's ZeRO-Offload): 4 bytes per owned element more, plus the state.
+    assert mem["master_params"] == 4 * padded // world
+    assert mem["optimizer_states"] >= 8 * psi // world - 8 * (padded - psi)

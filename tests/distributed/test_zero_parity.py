@@ -14,10 +14,15 @@ from zeroengine.zero import GatheredParameters
 STEPS = 6
 
 
-def train_with_engine(rank, world, stage, dtype, gas, clip, micro=2, steps=STEPS, overlap=False):
+def train_with_engine(rank, world, stage, dtype, gas, clip, micro=2, steps=STEPS, overlap=False, offload=False):
     cfg = base_config(micro, gas, world, clip, dtype=dtype, stage=stage)
     cfg["zero_optimization"]["overlap_comm"] = overlap
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    if offload:  # the config's AdamW became the C++ CPU Adam, stepping fp32 masters in CPU memory
+        assert type(engine.optimizer.optimizer).__name__ == "CPUAdam"
+        assert engine.memory_breakdown()["master_params"] > 0
     losses = []
     for step in global_batches(steps, gas, world, micro):
         step_loss = 0.0
@@ -52,6 +57,13 @@ def _assert_matches_reference(results, ref_losses, ref_params, tol):
 def test_fp32_matches_single_process(stage, world, gas, clip):
     ref_losses, ref_params = reference_run(STEPS, gas, world, micro=2, clip=clip)
     results = run_distributed(train_with_engine, world, stage, "fp32", gas, clip)
+    _assert_matches_reference(results, ref_losses, ref_params, tol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_offload_matches_single_process(stage):
+    ref_losses, ref_params = reference_run(STEPS, 2, 2, micro=2, clip=0.5)
+    results = run_distributed(train_with_engine, 2, stage, "fp32", 2, 0.5, offload=True)
     _assert_matches_reference(results, ref_losses, ref_params, tol=1e-5)
 
 

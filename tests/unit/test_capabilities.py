@@ -12,7 +12,6 @@ def _cfg(**extra):
 
 
 @pytest.mark.parametrize("extra,key", [
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
     ({"monitor": {"tensorboard": {"enabled": True}}}, "monitor"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),

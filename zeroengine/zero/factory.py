@@ -95,7 +95,8 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
         grad_store = FullGradStore(flat, reducer)
     else:
         grad_store = PartitionedGradStore(flat, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients))
-    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, fp32_values, grad_store, rank)
+    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, fp32_values, grad_store, rank,
+                               offload=zero_config.offload_optimizer)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
     _register(sharded, flat, params)
     return sharded
@@ -122,7 +123,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     grad_store = PartitionedGradStore(buffer, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients),
                                       on_bucket_ready=hooks.on_bucket_grads_ready)
     sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store, rank,
-                               after_backward=hooks.release_all)
+                               after_backward=hooks.release_all, offload=zero_config.offload_optimizer)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
     sharded.stage3_hooks = hooks
     _register(sharded, buffer, params)

@@ -46,7 +46,7 @@ class FlatParamBuffer:
         works = []
         for bucket, chunk in zip(self.layout.buckets, chunks):
             # A copy, not the chunk itself: in fp32 the chunk aliases the all-gather's output.
-            source = chunk.to(self.flat.dtype, copy=True)
+            source = chunk.to(device=self.flat.device, dtype=self.flat.dtype, copy=True)
             works.append((comm.all_gather(self.bucket_view(bucket), source, group=self.group, async_op=True), source))
         for work, _ in works:
             if work is not None:

@@ -28,6 +28,7 @@ def _entry(param: torch.Tensor):
 
 
 def _gather_slice(owner, bucket, slot, shape, chunk: torch.Tensor) -> torch.Tensor:
+    chunk = chunk.to(owner.flat_params.device)  # offloaded chunks live on CPU; NCCL gathers device memory
     full = torch.empty(bucket.padded_numel, dtype=chunk.dtype, device=chunk.device)
     comm.all_gather(full, chunk.contiguous(), group=owner.group)
     start = slot.flat_start - bucket.flat_start
@@ -61,7 +62,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
 def safe_get_full_optimizer_state(param: torch.Tensor, key: str) -> torch.Tensor | None:
     """The full ``optimizer.state[param][key]`` (e.g. "exp_avg"); None before the first step."""
     owner, bucket, slot, shape = _entry(param)
-    chunk = torch.zeros(bucket.chunk_numel, dtype=torch.float32, device=owner.chunks[bucket.index].device)
+    chunk = torch.zeros(bucket.chunk_numel, dtype=torch.float32, device=owner.flat_params.device)
     found = 0.0
     for (s, a, b), piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
         value = owner.optimizer.state.get(piece, {}).get(key)

@@ -26,7 +26,8 @@ from .optimizer import ZeroOptimizer
 
 class ShardedOptimizer(ZeroOptimizer):
     def __init__(self, module, optimizer, policy, loss_scaler, gradient_clipping: float, flat_params,
-                 fp32_values: list[torch.Tensor] | None, grad_store, rank: int, group=None, after_backward=None):
+                 fp32_values: list[torch.Tensor] | None, grad_store, rank: int, group=None, after_backward=None,
+                 offload=None):
         super().__init__(optimizer, policy, loss_scaler, gradient_clipping)
         self.module = module
         self.flat_params = flat_params
@@ -36,13 +37,29 @@ class ShardedOptimizer(ZeroOptimizer):
         self.group = group
         self.world = comm.get_world_size(group)
         buckets = self.layout.buckets
+        # offload_optimizer: fp32 masters (and so the optimizer state, created beside them) live in
+        # CPU memory, pinned when an accelerator copies to and from them.
+        self.offload = offload
         if policy.mixed:
             self.chunks = [gather_chunk(fp32_values, b, rank, torch.float32) for b in buckets]
         else:
             self.chunks = [flat_params.chunk_view(b, rank) for b in buckets]
+        if offload is not None:
+            self.chunks = [self._to_host(c) for c in self.chunks]
         self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
         self._fp32_chunk_grads: list[torch.Tensor] = []
         self._after_backward = after_backward
+
+    def _to_host(self, chunk: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(chunk.shape, dtype=torch.float32, device="cpu",
+                           pin_memory=bool(self.offload.pin_memory) and torch.cuda.is_available())
+        host.copy_(chunk)
+        return host
+
+    @property
+    def has_master_copy(self) -> bool:
+        """True when the stepped chunks are separate fp32 tensors (16-bit training, or offload)."""
+        return self.policy.mixed or self.offload is not None
 
     def _pieces_of(self, bucket_index: int) -> list[torch.nn.Parameter]:
         bucket = self.layout.buckets[bucket_index]
@@ -80,7 +97,7 @@ class ShardedOptimizer(ZeroOptimizer):
         for bucket, chunk_grad, pieces in zip(self.layout.buckets, self.grad_store.chunk_grads, self.pieces):
             if chunk_grad is None:  # never happens after a backward; zeros keep a bare step() well-defined
                 chunk_grad = torch.zeros(bucket.chunk_numel, device=self.chunks[bucket.index].device)
-            g = chunk_grad.to(torch.float32)
+            g = chunk_grad.to(device=self.chunks[bucket.index].device, dtype=torch.float32)
             if inv_scale != 1.0:
                 g = g * inv_scale
             lo, _ = bucket.chunk_range(self.rank)
@@ -113,7 +130,7 @@ class ShardedOptimizer(ZeroOptimizer):
         tally.add("params", (p for p in self.module.parameters() if id(p) not in flat_ids))
         tally.add("grads", self.grad_store.held_tensors())
         tally.add("grads", self._fp32_chunk_grads)
-        if self.policy.mixed:
+        if self.has_master_copy:
             tally.add("master_params", self.chunks)
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
