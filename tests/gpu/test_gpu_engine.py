@@ -10,10 +10,16 @@ pytestmark = pytest.mark.gpu
 STEPS = 6
 
 
-def _train(stage, dtype, gas=2, clip=0.5):
+def _train(stage, dtype, gas=2, clip=0.5, offload=False):
     cfg = base_config(4, gas, 1, clip, dtype=dtype, stage=stage)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
-    assert next(engine.module.parameters()).is_cuda
+    if offload:
+        mem = engine.memory_breakdown()
+        assert mem["cpu"] >= mem["master_params"] > 0  # masters (and, after a step, Adam state) in host memory
+        assert all(c.is_pinned() for c in engine.optimizer.chunks)
+    assert engine.device.type == "cuda"
     losses = []
     for step in global_batches(STEPS, gas, 1, 4):
         total = 0.0
@@ -48,3 +54,11 @@ def test_16bit_on_cuda_tracks_fp32(stage, dtype):
     tol = 0.02 if dtype == "bf16" else 0.01
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) <= tol * want, (losses, ref_losses)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_offload_on_cuda_tracks_fp32(stage):
+    ref_losses, _ = reference_run(STEPS, 2, 1, micro=4, clip=0.5)
+    losses, _ = _train(stage, "bf16", offload=True)
+    for got, want in zip(losses, ref_losses):
+        assert abs(got - want) <= 0.02 * want, (losses, ref_losses)
