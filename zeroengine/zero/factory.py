@@ -94,7 +94,7 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
     if stage == 1:
         grad_store = FullGradStore(flat, reducer)
     else:
-        grad_store = PartitionedGradStore(flat, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients))
+        grad_store = PartitionedGradStore(flat, reducer)
     sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, fp32_values, grad_store, rank,
                                offload=zero_config.offload_optimizer)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
@@ -120,8 +120,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     module.to(policy.param_dtype)
     hooks = Stage3Hooks(module, buffer, layout)
     reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
-    grad_store = PartitionedGradStore(buffer, reducer, contiguous_gradients=bool(zero_config.contiguous_gradients),
-                                      on_bucket_ready=hooks.on_bucket_grads_ready)
+    grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready)
     sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store, rank,
                                after_backward=hooks.release_all, offload=zero_config.offload_optimizer)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])

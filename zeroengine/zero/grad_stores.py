@@ -107,67 +107,74 @@ class FullGradStore:
 
 
 class PartitionedGradStore:
-    """Stage 2 (see module doc)."""
+    """Stage 2 (see module doc).
 
-    def __init__(self, flat_params, reducer: _BucketReducer, contiguous_gradients: bool, on_bucket_ready=None):
+    Each gradient is copied into its bucket's buffer the moment autograd has
+    accumulated it, and the full gradient is dropped at once, so at most the
+    buckets between "first gradient arrived" and "reduced" hold full-size
+    memory. Bucket buffers are always contiguous, which is what
+    ``contiguous_gradients`` asks for; they are freed after their reduction
+    rather than pooled, so no full-bucket buffer outlives the backward.
+    """
+
+    def __init__(self, flat_params, reducer: _BucketReducer, on_bucket_ready=None):
         self.params = flat_params.params
         self.layout: FlatLayout = flat_params.layout
         self.reducer = reducer
-        dtype = flat_params.dtype
-        device = flat_params.device
-        self.chunk_grads = [torch.zeros(b.chunk_numel, dtype=dtype, device=device) for b in self.layout.buckets]
+        self.dtype = flat_params.dtype
+        self.device = flat_params.device
+        self.chunk_grads = [torch.zeros(b.chunk_numel, dtype=self.dtype, device=self.device)
+                            for b in self.layout.buckets]
         self._bucket_of = self.layout.bucket_of_param()
+        self._slot_of = self.layout.slot_of()
+        self._buffers: dict[int, torch.Tensor] = {}
         self._ready = [0] * len(self.layout.buckets)
         self._next = 0
-        # contiguous_gradients: reuse one preallocated buffer per bucket size instead of allocating per bucket.
-        self._pool: dict[int, list[torch.Tensor]] | None = {} if contiguous_gradients else None
         # Stage 3 frees a bucket's gathered parameters once all its gradients exist.
         self._on_bucket_ready = on_bucket_ready
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
     def _make_hook(self, index: int):
-        def hook(_param):
-            bucket = self._bucket_of[index]
-            self._ready[bucket] += 1
-            if self._on_bucket_ready is not None and self._ready[bucket] == len(self.layout.buckets[bucket].slots):
-                self._on_bucket_ready(self.layout.buckets[bucket])
+        def hook(param):
+            b = self._bucket_of[index]
+            bucket = self.layout.buckets[b]
+            if param.grad is not None:
+                slot = self._slot_of[index]
+                start = slot.flat_start - bucket.flat_start
+                self._buffer(bucket)[start:start + slot.numel].copy_(param.grad.reshape(-1))
+                param.grad = None  # the full gradient is dropped as soon as it is in the bucket
+            self._ready[b] += 1
+            if self._on_bucket_ready is not None and self._ready[b] == len(bucket.slots):
+                self._on_bucket_ready(bucket)
             self._launch_ready(force=False)
 
         return hook
 
+    def _buffer(self, bucket: Bucket) -> torch.Tensor:
+        buf = self._buffers.get(bucket.index)
+        if buf is None:
+            buf = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
+            self._buffers[bucket.index] = buf
+        return buf
+
     def _launch_ready(self, force: bool) -> None:
         buckets = self.layout.buckets
         while self._next < len(buckets) and (force or self._ready[self._next] >= len(buckets[self._next].slots)):
-            self._launch(buckets[self._next])
+            bucket = buckets[self._next]
+            # A bucket no gradient reached this step (unused on this rank) still joins, as zeros.
+            buffer = self._buffers.pop(bucket.index, None)
+            self.reducer.launch(bucket, buffer if buffer is not None else self._buffer_zeros(bucket))
             self._next += 1
 
-    def _take_buffer(self, bucket: Bucket) -> torch.Tensor:
-        free = self._pool.get(bucket.padded_numel) if self._pool is not None else None
-        if free:
-            buf = free.pop()
-            buf.zero_()
-            return buf
-        p0 = self.params[bucket.slots[0].index]
-        return torch.zeros(bucket.padded_numel, dtype=p0.dtype, device=p0.device)
-
-    def _launch(self, bucket: Bucket) -> None:
-        buffer = self._take_buffer(bucket)
-        for slot in bucket.slots:
-            p = self.params[slot.index]
-            if p.grad is not None:
-                start = slot.flat_start - bucket.flat_start
-                buffer[start:start + slot.numel].copy_(p.grad.reshape(-1))
-                p.grad = None  # the full gradient is dropped as soon as it is in the bucket
-        self.reducer.launch(bucket, buffer)
+    def _buffer_zeros(self, bucket: Bucket) -> torch.Tensor:
+        return torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
 
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
         self._launch_ready(force=True)
-        for bucket, chunk, buffer in self.reducer.drain():
+        for bucket, chunk, _buffer in self.reducer.drain():
             self.chunk_grads[bucket.index].add_(chunk)
-            if self._pool is not None and buffer.dtype == chunk.dtype:
-                self._pool.setdefault(bucket.padded_numel, []).append(buffer)
         self._ready = [0] * len(self.layout.buckets)
         self._next = 0
 
@@ -181,4 +188,4 @@ class PartitionedGradStore:
         return list(self.chunk_grads)
 
     def comm_buffers(self) -> list[torch.Tensor]:
-        return [b for bufs in (self._pool or {}).values() for b in bufs]
+        return list(self._buffers.values())
