@@ -124,7 +124,6 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store, rank,
                                after_backward=hooks.release_all, offload=zero_config.offload_optimizer)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
-    sharded.stage3_hooks = hooks
     _register(sharded, buffer, params)
     return sharded
 

@@ -162,12 +162,9 @@ class PartitionedGradStore:
         while self._next < len(buckets) and (force or self._ready[self._next] >= len(buckets[self._next].slots)):
             bucket = buckets[self._next]
             # A bucket no gradient reached this step (unused on this rank) still joins, as zeros.
-            buffer = self._buffers.pop(bucket.index, None)
-            self.reducer.launch(bucket, buffer if buffer is not None else self._buffer_zeros(bucket))
+            self._buffer(bucket)
+            self.reducer.launch(bucket, self._buffers.pop(bucket.index))
             self._next += 1
-
-    def _buffer_zeros(self, bucket: Bucket) -> torch.Tensor:
-        return torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
 
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the

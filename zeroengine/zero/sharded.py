@@ -35,7 +35,6 @@ class ShardedOptimizer(ZeroOptimizer):
         self.grad_store = grad_store
         self.rank = rank
         self.group = group
-        self.world = comm.get_world_size(group)
         buckets = self.layout.buckets
         # offload_optimizer: fp32 masters (and so the optimizer state, created beside them) live in
         # CPU memory, pinned when an accelerator copies to and from them.
