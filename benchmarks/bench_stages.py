@@ -10,9 +10,10 @@ clipping) on 2 CPU ranks over gloo, one torch thread per rank.
 
 * One world per variant. Each variant gets its own 2-process world of fresh
   processes (forked from a forkserver that has only imported torch), started
-  once and kept alive for the whole run. Nothing else ever runs in those processes, so their peak RSS
-  (VmHWM) and RSS growth belong to that variant alone; DDP ranks never import
-  zeroengine or DeepSpeed, DeepSpeed ranks import it before the baseline.
+  once and kept alive for the whole run. Nothing else ever runs in those
+  processes, so their peak RSS (VmHWM) and RSS growth belong to that variant
+  alone; DDP ranks never import zeroengine or DeepSpeed, DeepSpeed ranks
+  import it before the baseline.
 * Interleaved rounds. After every world has warmed up, the orchestrator runs
   ``--steps`` timed steps in each world in turn (A B C D ..., the starting
   variant rotating by one each round), ``--rounds`` times. Only one world
@@ -21,7 +22,15 @@ clipping) on 2 CPU ranks over gloo, one torch thread per rank.
   round alike: the ratio to DDP is taken per round (median step time of the
   variant / DDP's in the same round) and the reported ratio is the median
   over rounds. Step time is the slower rank's wall time of forward + backward
-  + optimizer step (a barrier starts every batch of steps).
+  + optimizer step (a barrier starts every batch of steps). Each rank's CPU
+  time and minor page faults per step are recorded too: CPU time is less
+  sensitive to other jobs than wall time, and page faults show memory the
+  allocator had to get from the OS again (transient buffers).
+* Buckets. zeroengine and DeepSpeed variants share ``--bucket``
+  (reduce_bucket_size, and DeepSpeed's allgather_bucket_size), 1e6 elements
+  by default: measured here for zeroengine stage 2 (overlap_comm on), 1e6 was
+  fastest among 5e7, 2e7, 5e6, 1e6 and 2e5. ``ze-s2@5e7`` repeats stage 2 at
+  5e7 (one bucket for the whole model: no overlap) for comparison.
 * Memory. RSS is read before the model is built (after torch, the variant's
   library and the process group are up) and after the timed steps; the growth
   is compared with DESIGN.md's fp32 model-state formula per rank (Ψ params,
@@ -77,14 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds of 2 steps (a smoke test)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed variants")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 2)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 4; quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps before the rounds (default 3; quick 2)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 6; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 3; quick 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps before the rounds (default 2; quick 2)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per step (default 4; quick 2)")
-    p.add_argument("--bucket", type=float, default=5e7,
-                   help="reduce_bucket_size (elements) for zeroengine and DeepSpeed (default 5e7)")
-    p.add_argument("--s2-buckets", type=str, default="",
-                   help="extra zeroengine stage-2 variants at these bucket sizes, e.g. '5e6,2e6'")
+    p.add_argument("--bucket", type=float, default=1e6,
+                   help="reduce_bucket_size (elements) of every zeroengine and DeepSpeed variant (default 1e6, "
+                        "the fastest of 5e7/2e7/5e6/1e6/2e5 for zeroengine stage 2 here)")
+    p.add_argument("--s2-buckets", type=str, default=None,
+                   help="extra zeroengine stage-2 variants at these bucket sizes (default '5e7'; quick: none)")
     p.add_argument("--only", type=str, default="", help="comma-separated variant names to run (ddp always runs)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for any one reply from a world")
     return p.parse_args(argv)
@@ -97,7 +107,8 @@ def build_variants(args) -> tuple[list[Variant], dict[str, str]]:
                 Variant("ze-s0", "zeroengine", 0, bucket),
                 Variant("ze-s1", "zeroengine", 1, bucket),
                 Variant("ze-s2", "zeroengine", 2, bucket, overlap_comm=True)]
-    for extra in filter(None, args.s2_buckets.split(",")):
+    extra_buckets = args.s2_buckets if args.s2_buckets is not None else ("" if args.quick else "5e7")
+    for extra in filter(None, extra_buckets.split(",")):
         variants.append(Variant(f"ze-s2@{extra.strip()}", "zeroengine", 2, int(float(extra)), overlap_comm=True))
     skipped = {}
     if args.no_deepspeed:
@@ -118,8 +129,8 @@ def build_spec(args) -> tuple[RunSpec, int, int]:
     quick = args.quick
     pick = (lambda value, full, small: value if value is not None else (small if quick else full))
     spec = RunSpec(model=QUICK_MODEL if quick else FULL_MODEL, micro_batch=pick(args.micro_batch, 4, 2),
-                   warmup_steps=max(1, pick(args.warmup, 3, 2)), world_size=WORLD_SIZE)
-    return spec, pick(args.rounds, 5, 2), pick(args.steps, 4, 2)
+                   warmup_steps=max(1, pick(args.warmup, 2, 2)), world_size=WORLD_SIZE)
+    return spec, pick(args.rounds, 6, 2), pick(args.steps, 3, 2)
 
 
 # --------------------------------------------------------------------------- worlds
@@ -403,17 +414,17 @@ def check_targets(rows: list[dict]) -> list[dict]:
     return verdicts
 
 
-def machine_info(ready: dict) -> dict:
+def machine_info(ready: dict, load_start, load_end) -> dict:
     first = next(iter(ready.values()))[0] if ready else {}
     return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": first.get("torch"),
             "threads_per_rank": first.get("threads"), "world_size": WORLD_SIZE, "backend": "gloo",
-            "loadavg_start": None, "loadavg_end": None}
+            "loadavg_start": load_start, "loadavg_end": load_end}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before they import torch
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the forkserver (and the ranks) before torch is imported
     spec, rounds, steps = build_spec(args)
     variants, skipped = build_variants(args)
     load_start = os.getloadavg()
@@ -438,8 +449,7 @@ def main(argv=None) -> int:
         if world.error:
             row["error"] = world.error
         rows.append(row)
-    machine = machine_info(ready)
-    machine.update(loadavg_start=load_start, loadavg_end=load_end)
+    machine = machine_info(ready, load_start, load_end)
     header = (f"\nGPT {psi / 1e6:.2f}M params, {WORLD_SIZE} ranks x {machine['threads_per_rank']} thread, gloo, fp32, "
               f"AdamW; {rounds} interleaved rounds x {steps} steps; {machine['cpus']} CPUs, load average "
               f"{load_start[0]:.1f} -> {load_end[0]:.1f}")

@@ -1,16 +1,18 @@
 """One rank of one variant's world, for ``bench_stages.py``.
 
-A rank is started (forked from a forkserver that has imported torch only, so
-its RSS is its own) with a :class:`Variant`, its rank and a pipe to the orchestrator.
-It joins a 2-process gloo world made for this variant alone, records its RSS
-before the model exists, builds the model and the variant's training wrapper
-(torch DDP, a zeroengine engine or a DeepSpeed engine), runs the warm-up steps
-and reports ``ready``. Then it obeys the orchestrator:
+A rank is a process of its own (forked from a forkserver that has imported
+only torch), started with a :class:`Variant`, a :class:`RunSpec`, its rank and
+a pipe to the orchestrator. It joins a 2-process gloo world made for this
+variant alone; trains a throwaway tiny GPT for two steps (see
+:func:`_prewarm`); records its RSS; builds the model and the variant's
+training wrapper (torch DDP, a zeroengine engine or a DeepSpeed engine); runs
+the warm-up steps and reports ``ready``. Then it obeys the orchestrator:
 
-* ``("run", n)``: a barrier, then ``n`` timed training steps; replies with the
-  per-step wall times and the last loss;
+* ``("run", n)``: a barrier, then ``n`` timed training steps; replies with
+  per-step wall times by phase, CPU time, page faults and the last loss;
 * ``("finish", None)``: replies with its memory and communication figures
-  (RSS now, peak RSS, ``memory_breakdown()``, bytes communicated) and exits.
+  (RSS at each stage, peak RSS, ``memory_breakdown()``, bytes communicated)
+  and leaves the world.
 
 Only the code of the variant being run is imported: a DDP rank never imports
 zeroengine or DeepSpeed, and DeepSpeed is imported only in DeepSpeed ranks.
@@ -78,7 +80,7 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak RSS of this process: VmHWM (this exec'd image only), else ru_maxrss."""
+    """Peak RSS of this process: VmHWM, else ru_maxrss."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -320,7 +322,7 @@ def _init_world(rank: int, world: int, port: int, variant: Variant) -> None:
 def _import_variant_library(variant: Variant) -> None:
     """Import before the RSS baseline, so the baseline holds the library and growth is model states."""
     if variant.kind == "zeroengine":
-        import zeroengine  # noqa: F401
+        import zeroengine.initialization  # noqa: F401  (zeroengine itself imports lazily)
     elif variant.kind == "deepspeed":
         import deepspeed  # noqa: F401
 
@@ -399,12 +401,9 @@ def _prewarm(variant: Variant, spec: RunSpec, rank: int) -> None:
     gc.collect()
 
 
-def _serve(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
-    started = time.perf_counter()
+def _setup(variant: Variant, spec: RunSpec, rank: int, port: int) -> dict:
+    """Everything up to ``ready``: world, prewarm, model, wrapper, warm-up; RSS read at each stage."""
     _init_world(rank, spec.world_size, port, variant)
-    import torch
-    import torch.distributed as dist
-
     _import_variant_library(variant)
     batches = make_batches(spec, rank)
     rss = {"cold": rss_bytes()}
@@ -419,32 +418,47 @@ def _serve(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
     rss["after_wrap"] = rss_bytes()
     for i in range(spec.warmup_steps - 1):
         trainer.step(*batches[i % len(batches)])
-        if i == 0:
-            rss["after_first_step"] = rss_bytes()
-    step_index = spec.warmup_steps
-    breakdown = trainer.probe_step(*batches[(step_index - 1) % len(batches)])
+        rss.setdefault("after_first_step", rss_bytes())
+    breakdown = trainer.probe_step(*batches[(spec.warmup_steps - 1) % len(batches)])
     rss["after_warmup"] = rss_bytes()
     trainer.comm_start()
-    conn.send(("ready", {"num_params": num_params, "setup_s": time.perf_counter() - started,
+    return {"trainer": trainer, "batches": batches, "rss": rss, "breakdown": breakdown, "num_params": num_params}
+
+
+def _finish(state: dict, timed_steps: int, step_index: int, world: int) -> dict:
+    """The memory and communication report, read after the timed steps."""
+    trainer, rss = state["trainer"], state["rss"]
+    comm_bytes = trainer.comm_report(max(timed_steps, 1))
+    rss["after_steps"] = rss_bytes()
+    peak = peak_rss_bytes()
+    # Diagnostic only: how much of the growth is free memory the allocator kept (not held tensors).
+    rss["after_steps_malloc_trim"] = rss_bytes() if _release_free_heap() else None
+    if isinstance(trainer, DeepSpeedTrainer):
+        batches = state["batches"]
+        comm_bytes = trainer.logged_comm_step(*batches[step_index % len(batches)], world)
+    return {"rss": rss, "peak_rss": peak, "memory_breakdown": state["breakdown"], "comm": comm_bytes,
+            "steps_total": step_index}
+
+
+def _serve(variant: Variant, spec: RunSpec, rank: int, port: int, conn) -> None:
+    import torch
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    state = _setup(variant, spec, rank, port)
+    conn.send(("ready", {"num_params": state["num_params"], "setup_s": time.perf_counter() - started,
                          "torch": torch.__version__, "threads": torch.get_num_threads()}))
-    timed_steps, last_loss = 0, float("nan")
+    step_index, timed_steps, last_loss = spec.warmup_steps, 0, float("nan")
     while True:
         command, arg = conn.recv()
         if command == "run":
-            times, last_loss = _timed_steps(trainer, batches, step_index, arg)
+            times, last_loss = _timed_steps(state["trainer"], state["batches"], step_index, arg)
             step_index += arg
             timed_steps += arg
             conn.send(("times", {"times": times, "loss": last_loss}))
         elif command == "finish":
-            comm_bytes = trainer.comm_report(max(timed_steps, 1))
-            rss["after_steps"] = rss_bytes()
-            peak = peak_rss_bytes()
-            # Diagnostic only: how much of the growth is free memory the allocator kept (not held tensors).
-            rss["after_steps_malloc_trim"] = rss_bytes() if _release_free_heap() else None
-            if isinstance(trainer, DeepSpeedTrainer):
-                comm_bytes = trainer.logged_comm_step(*batches[step_index % len(batches)], spec.world_size)
-            conn.send(("finished", {"rss": rss, "peak_rss": peak, "memory_breakdown": breakdown,
-                                    "comm": comm_bytes, "loss": last_loss, "steps_total": step_index}))
+            report = _finish(state, timed_steps, step_index, spec.world_size)
+            conn.send(("finished", {**report, "loss": last_loss}))
             dist.destroy_process_group()
             return
         else:

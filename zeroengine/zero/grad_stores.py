@@ -28,6 +28,13 @@ from .flat_params import FlatParamBuffer
 from .layout import Bucket, FlatLayout
 
 
+# Reductions launched but not yet folded into the gradient shard. Each holds a
+# bucket buffer (and, on gloo, an all-to-all receive buffer) alive; without a
+# bound, all of them would be alive at the end of backward (≈ 10Ψ bytes of
+# transient memory in fp32). Two keep one bucket communicating while the next fills.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
 class _BucketReducer:
     """Reduce-scatter of one bucket buffer into this rank's (averaged) chunk, optionally async."""
 
@@ -47,10 +54,13 @@ class _BucketReducer:
         work = comm.reduce_scatter(out, buffer, group=self.group, async_op=self.overlap)
         self._in_flight.append((work, out, bucket, buffer))
 
-    def drain(self):
-        """Wait for every launched bucket; yield (bucket, averaged chunk, the buffer it was reduced from)."""
-        in_flight, self._in_flight = self._in_flight, []
-        for work, out, bucket, buffer in in_flight:
+    def drain(self, keep: int = 0):
+        """Wait for the oldest launched buckets until at most ``keep`` are in flight.
+
+        Yields (bucket, averaged chunk, the buffer it was reduced from) for each one finished.
+        """
+        while len(self._in_flight) > keep:
+            work, out, bucket, buffer = self._in_flight.pop(0)
             if work is not None:
                 work.wait()
             yield bucket, out.div_(self.world), buffer
@@ -165,13 +175,18 @@ class PartitionedGradStore:
             self._buffer(bucket)
             self.reducer.launch(bucket, self._buffers.pop(bucket.index))
             self._next += 1
+            # Bound the memory of reductions: one bucket on the wire while the next one fills.
+            self._accumulate(keep=MAX_BUCKETS_IN_FLIGHT)
+
+    def _accumulate(self, keep: int) -> None:
+        for bucket, chunk, _buffer in self.reducer.drain(keep):
+            self.chunk_grads[bucket.index].add_(chunk)
 
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
         self._launch_ready(force=True)
-        for bucket, chunk, _buffer in self.reducer.drain():
-            self.chunk_grads[bucket.index].add_(chunk)
+        self._accumulate(keep=0)
         self._ready = [0] * len(self.layout.buckets)
         self._next = 0
 
