@@ -100,8 +100,10 @@ class Engine:
         scaled = loss.float() / self.gradient_accumulation_steps()
         if self.optimizer.loss_scaler is not None:
             scaled = scaled * self.optimizer.loss_scale
+        boundary = self.is_gradient_accumulation_boundary()
+        self.optimizer.begin_backward(boundary)
         scaled.backward(retain_graph=retain_graph)
-        self.optimizer.finish_backward(self.is_gradient_accumulation_boundary())
+        self.optimizer.finish_backward(boundary)
         self._time("backward", start=False)
         return loss
 

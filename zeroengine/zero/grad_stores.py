@@ -5,8 +5,9 @@ gradient chunk* of every bucket (``chunk_grads``); they differ in what a rank
 holds on the way:
 
 * :class:`FullGradStore` (stage 1): full gradients, as views into one flat
-  buffer that autograd accumulates into; one reduce-scatter per bucket at the
-  accumulation boundary.
+  buffer that autograd accumulates into; on the accumulation boundary's
+  backward, one reduce-scatter per bucket as soon as the bucket is complete
+  (nothing is sent between boundaries).
 * :class:`PartitionedGradStore` (stage 2): only this rank's gradient chunks.
   As soon as all gradients of a bucket are ready in backward, the bucket is
   reduce-scattered (asynchronously with ``overlap_comm``) and the full
@@ -66,6 +67,31 @@ class _BucketReducer:
             yield bucket, out.div_(self.world), buffer
 
 
+class _InOrderLauncher:
+    """Launches bucket reductions in layout order as their gradients become ready (see module note)."""
+
+    def __init__(self, layout: FlatLayout, launch):
+        self.layout = layout
+        self._launch = launch
+        self.ready = [0] * len(layout.buckets)
+        self.next = 0
+
+    def mark_ready(self, bucket_index: int) -> bool:
+        """Count one more gradient of the bucket; True when the bucket just became complete."""
+        self.ready[bucket_index] += 1
+        return self.ready[bucket_index] == len(self.layout.buckets[bucket_index].slots)
+
+    def launch_ready(self, force: bool) -> None:
+        buckets = self.layout.buckets
+        while self.next < len(buckets) and (force or self.ready[self.next] >= len(buckets[self.next].slots)):
+            self._launch(buckets[self.next])
+            self.next += 1
+
+    def reset(self) -> None:
+        self.ready = [0] * len(self.layout.buckets)
+        self.next = 0
+
+
 class FullGradStore:
     """Stage 1 (see module doc)."""
 
@@ -76,33 +102,61 @@ class FullGradStore:
         self.flat_grads = torch.zeros_like(flat_params.flat)
         self.chunk_grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
         self._attach_grad_views()
+        # On the boundary micro-step each bucket is reduced as soon as its gradients are
+        # complete, overlapping the rest of backward (between boundaries: nothing is sent).
+        self._launcher = _InOrderLauncher(self.layout, self._launch)
+        self._bucket_of = self.layout.bucket_of_param()
+        self._slot_of = self.layout.slot_of()
+        self._reducing = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                         for i, p in enumerate(flat_params.params)]
 
     def _grad_view(self, slot) -> torch.Tensor:
         p = self.flat_params.params[slot.index]
         return self.flat_grads[slot.flat_start:slot.flat_end].view(p.shape)
 
+    def _attach(self, slot) -> None:
+        """Point .grad into flat_grads, keeping what autograd put elsewhere (e.g. after zero_grad(set_to_none))."""
+        p = self.flat_params.params[slot.index]
+        view = self._grad_view(slot)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
+
     def _attach_grad_views(self) -> None:
-        """Point every .grad into flat_grads, keeping what autograd put elsewhere (e.g. after zero_grad(set_to_none))."""
         for bucket in self.layout.buckets:
             for slot in bucket.slots:
-                p = self.flat_params.params[slot.index]
-                view = self._grad_view(slot)
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+                self._attach(slot)
+
+    def _make_hook(self, index: int):
+        def hook(_param):
+            if not self._reducing:
+                return
+            self._attach(self._slot_of[index])
+            self._launcher.mark_ready(self._bucket_of[index])
+            self._launcher.launch_ready(force=False)
+
+        return hook
+
+    def _launch(self, bucket: Bucket) -> None:
+        for slot in bucket.slots:
+            self._attach(slot)
+        lo, hi = bucket.chunk_range(self.reducer.rank)
+        # Reduced in place into this rank's own chunk of the flat gradients: no extra memory.
+        self.reducer.launch(bucket, self.flat_grads[bucket.flat_start:bucket.flat_start + bucket.padded_numel],
+                            out=self.flat_grads[lo:hi])
+
+    def begin_backward(self, is_boundary: bool) -> None:
+        self._reducing = is_boundary
+        self._launcher.reset()
 
     def finish_backward(self, is_boundary: bool) -> None:
         if not is_boundary:
             return
-        self._attach_grad_views()
-        rank = self.reducer.rank
-        for bucket in self.layout.buckets:
-            lo, hi = bucket.chunk_range(rank)
-            # Reduced in place into this rank's own chunk of the flat gradients: no extra memory.
-            self.reducer.launch(bucket, self.flat_grads[bucket.flat_start:bucket.flat_start + bucket.padded_numel],
-                                out=self.flat_grads[lo:hi])
+        self._launcher.launch_ready(force=True)  # buckets some gradient never reached
         for bucket, chunk, _ in self.reducer.drain():
             self.chunk_grads[bucket.index] = chunk.to(self.flat_grads.dtype)
+        self._reducing = False
 
     def zero(self) -> None:
         self.flat_grads.zero_()
@@ -138,8 +192,7 @@ class PartitionedGradStore:
         self._bucket_of = self.layout.bucket_of_param()
         self._slot_of = self.layout.slot_of()
         self._buffers: dict[int, torch.Tensor] = {}
-        self._ready = [0] * len(self.layout.buckets)
-        self._next = 0
+        self._launcher = _InOrderLauncher(self.layout, self._launch)
         # Stage 3 frees a bucket's gathered parameters once all its gradients exist.
         self._on_bucket_ready = on_bucket_ready
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
@@ -153,10 +206,9 @@ class PartitionedGradStore:
                 start = slot.flat_start - bucket.flat_start
                 self._buffer(bucket)[start:start + slot.numel].copy_(param.grad.reshape(-1))
                 param.grad = None  # the full gradient is dropped as soon as it is in the bucket
-            self._ready[b] += 1
-            if self._on_bucket_ready is not None and self._ready[b] == len(bucket.slots):
+            if self._launcher.mark_ready(b) and self._on_bucket_ready is not None:
                 self._on_bucket_ready(bucket)
-            self._launch_ready(force=False)
+            self._launcher.launch_ready(force=False)
 
         return hook
 
@@ -167,16 +219,14 @@ class PartitionedGradStore:
             self._buffers[bucket.index] = buf
         return buf
 
-    def _launch_ready(self, force: bool) -> None:
-        buckets = self.layout.buckets
-        while self._next < len(buckets) and (force or self._ready[self._next] >= len(buckets[self._next].slots)):
-            bucket = buckets[self._next]
-            # A bucket no gradient reached this step (unused on this rank) still joins, as zeros.
-            self._buffer(bucket)
-            self.reducer.launch(bucket, self._buffers.pop(bucket.index))
-            self._next += 1
-            # Bound the memory of reductions: one bucket on the wire while the next one fills.
-            self._accumulate(keep=MAX_BUCKETS_IN_FLIGHT)
+    def _launch(self, bucket: Bucket) -> None:
+        self._buffer(bucket)  # a bucket no gradient reached this step (unused on this rank) joins as zeros
+        self.reducer.launch(bucket, self._buffers.pop(bucket.index))
+        # Bound the memory of reductions: one bucket on the wire while the next one fills.
+        self._accumulate(keep=MAX_BUCKETS_IN_FLIGHT)
+
+    def begin_backward(self, is_boundary: bool) -> None:
+        self._launcher.reset()
 
     def _accumulate(self, keep: int) -> None:
         for bucket, chunk, _buffer in self.reducer.drain(keep):
@@ -185,10 +235,9 @@ class PartitionedGradStore:
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
-        self._launch_ready(force=True)
+        self._launcher.launch_ready(force=True)
         self._accumulate(keep=0)
-        self._ready = [0] * len(self.layout.buckets)
-        self._next = 0
+        self._launcher.reset()
 
     def zero(self) -> None:
         for c in self.chunk_grads:

@@ -53,6 +53,9 @@ class ZeroOptimizer:
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
 
     # -- stage-specific pieces ------------------------------------------------
+    def begin_backward(self, is_boundary: bool) -> None:
+        """Called before every micro-step's backward (stages that reduce during backward get ready)."""
+
     def finish_backward(self, is_boundary: bool) -> None:
         """Called after every micro-step's backward: reduce gradients as the stage requires."""
         raise NotImplementedError

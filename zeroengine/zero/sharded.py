@@ -79,6 +79,9 @@ class ShardedOptimizer(ZeroOptimizer):
             group["params"] = params
 
     # -- ZeroOptimizer pieces ---------------------------------------------------
+    def begin_backward(self, is_boundary: bool) -> None:
+        self.grad_store.begin_backward(is_boundary)
+
     def finish_backward(self, is_boundary: bool) -> None:
         self.grad_store.finish_backward(is_boundary)
         if self._after_backward is not None:
