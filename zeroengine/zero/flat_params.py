@@ -13,7 +13,13 @@ from zeroengine import comm
 from .layout import Bucket, FlatLayout
 
 
-class FlatParamBuffer:
+class ParamBuffer:
+    """What stages 1-3 share about the storage of trainable parameters in a layout.
+
+    Two kinds: :class:`FlatParamBuffer` (stages 1-2, every rank holds every
+    parameter) and ``PartitionedParamBuffer`` (stage 3, a rank holds its chunks).
+    """
+
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None):
         self.params = params
@@ -21,8 +27,22 @@ class FlatParamBuffer:
         self.rank = rank
         self.group = group
         self.dtype = dtype
-        device = params[0].device if params else torch.device("cpu")
-        self.flat = torch.zeros(layout.total_numel, dtype=dtype, device=device)
+        self.shapes = [p.shape for p in params]
+        self._device = params[0].device if params else torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def full_shape(self, index: int) -> torch.Size:
+        return self.shapes[index]
+
+
+class FlatParamBuffer(ParamBuffer):
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
+                 group=None):
+        super().__init__(params, layout, dtype, rank, group)
+        self.flat = torch.zeros(layout.total_numel, dtype=dtype, device=self.device)
         with torch.no_grad():
             for bucket in layout.buckets:
                 for slot in bucket.slots:
@@ -37,10 +57,6 @@ class FlatParamBuffer:
         lo, hi = bucket.chunk_range(rank)
         return self.flat[lo:hi]
 
-    @property
-    def device(self) -> torch.device:
-        return self.flat.device
-
     def after_step(self, chunks: list[torch.Tensor]) -> None:
         """All-gather every bucket's updated chunks into every rank's parameters."""
         works = []
@@ -54,9 +70,6 @@ class FlatParamBuffer:
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.flat]
-
-    def full_shape(self, index: int) -> torch.Size:
-        return self.params[index].shape
 
     def set_param_value(self, slot, bucket, flat_value: torch.Tensor) -> None:
         """Every rank holds the full parameter: write all of it."""

@@ -13,20 +13,15 @@ import torch
 
 from zeroengine import comm
 
-from .flat_params import gather_chunk
+from .flat_params import ParamBuffer, gather_chunk
 from .layout import Bucket, FlatLayout
 
 
-class PartitionedParamBuffer:
+class PartitionedParamBuffer(ParamBuffer):
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None):
-        self.params = params
-        self.layout = layout
-        self.rank = rank
-        self.group = group
-        self.dtype = dtype
-        device = params[0].device if params else torch.device("cpu")
-        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        super().__init__(params, layout, dtype, rank, group)
+        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=self.device)
         self._chunk_start = []
         offset = 0
         for bucket in layout.buckets:
@@ -36,13 +31,9 @@ class PartitionedParamBuffer:
             for bucket in layout.buckets:
                 self.chunk_view(bucket, rank).copy_(gather_chunk(params, bucket, rank, dtype))
         self.full: list[torch.Tensor | None] = [None] * len(layout.buckets)
-        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self._empty = torch.empty(0, dtype=dtype, device=self.device)
         for bucket in layout.buckets:
             self._point_at_nothing(bucket)
-
-    @property
-    def device(self) -> torch.device:
-        return self.shard.device
 
     def chunk_view(self, bucket: Bucket, rank: int) -> torch.Tensor:
         if rank != self.rank:
@@ -62,7 +53,7 @@ class PartitionedParamBuffer:
         for slot in bucket.slots:
             start = slot.flat_start - bucket.flat_start
             p = self.params[slot.index]
-            p.data = full[start:start + slot.numel].view(self._shapes[slot.index])
+            p.data = full[start:start + slot.numel].view(self.shapes[slot.index])
 
     def release(self, bucket: Bucket) -> None:
         if self.full[bucket.index] is None:
@@ -71,13 +62,8 @@ class PartitionedParamBuffer:
         self._point_at_nothing(bucket)
 
     def _point_at_nothing(self, bucket: Bucket) -> None:
-        if not hasattr(self, "_shapes"):
-            self._shapes = {i: p.shape for i, p in enumerate(self.params)}
         for slot in bucket.slots:
             self.params[slot.index].data = self._empty
-
-    def full_shape(self, index: int) -> torch.Size:
-        return self._shapes[index]
 
     def after_step(self, chunks: list[torch.Tensor]) -> None:
         """Take the optimizer's updated chunks; re-gather any bucket that is gathered right now."""
