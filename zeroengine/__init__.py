@@ -12,6 +12,7 @@ _EXPORTS = {
     "ConfigError": "zeroengine.config",
     "Engine": "zeroengine.engine",
     "add_config_arguments": "zeroengine.initialization",
+    "estimate_memory": "zeroengine.estimate",
     "init_distributed": "zeroengine.comm",
     "initialize": "zeroengine.initialization",
 }

@@ -1,5 +1,6 @@
 """Stages 1-3: memory_breakdown() against DESIGN.md's formulas, and bytes on the wire per step."""
 import pytest
+import torch
 
 import zeroengine
 from parity import base_config, global_batches, make_model
@@ -40,6 +41,11 @@ def test_memory_breakdown_matches_design_formula(stage, dtype, world):
     model_states = sum(mem[k] for k in ("params", "grads", "optimizer_states", "master_params"))
     formula = replicated * psi + sharded * psi / world
     assert abs(model_states - formula) <= 0.05 * formula, (model_states, formula)
+    # zeroengine.estimate_memory predicts the same, kind by kind, before anything runs
+    predicted = zeroengine.estimate_memory(psi, world, stage, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    assert predicted["total"] == formula
+    for kind in ("params", "grads", "master_params", "optimizer_states"):
+        assert abs(mem[kind] - predicted[kind]) <= 0.05 * formula, (kind, mem[kind], predicted[kind])
     # and exactly, with the layout's alignment padding counted
     width = 4 if dtype == "fp32" else 2
     assert mem["params"] == (width * padded if stage < 3 else width * padded // world)
@@ -71,3 +77,6 @@ def test_optimizer_offload_keeps_an_fp32_master_shard_beside_its_state(stage):
     # memory instead (DeepSpeed's ZeRO-Offload): 4 bytes per owned element more, plus the state.
     assert mem["master_params"] == 4 * padded // world
     assert mem["optimizer_states"] >= 8 * psi // world - 8 * (padded - psi)
+    predicted = zeroengine.estimate_memory(psi, world, stage, offload_optimizer=True)
+    assert abs(mem["master_params"] - predicted["master_params"]) <= 0.05 * predicted["master_params"]
+    assert predicted["cpu"] == predicted["master_params"] + predicted["optimizer_states"]

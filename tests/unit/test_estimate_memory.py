@@ -1,0 +1,35 @@
+"""zeroengine.estimate_memory against DESIGN.md's table (the distributed tests check it against memory_breakdown)."""
+import pytest
+import torch
+
+import zeroengine
+
+PSI, N = 1_000_000, 4
+
+
+@pytest.mark.parametrize("stage,dtype,bytes_per_param", [
+    (0, torch.bfloat16, 16), (1, torch.bfloat16, 4 + 12 / N), (2, torch.bfloat16, 2 + 14 / N), (3, torch.float16, 16 / N),
+    (0, torch.float32, 16), (1, torch.float32, 8 + 8 / N), (2, torch.float32, 4 + 12 / N), (3, torch.float32, 16 / N),
+])
+def test_totals_follow_the_design_formulas(stage, dtype, bytes_per_param):
+    est = zeroengine.estimate_memory(PSI, N, stage, dtype=dtype)
+    assert est["total"] == pytest.approx(bytes_per_param * PSI)
+    assert est["cpu"] == 0 and est["device"] == est["total"]
+
+
+def test_offload_moves_masters_and_state_to_cpu_and_takes_a_module():
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters
+    est = zeroengine.estimate_memory(model, 2, 2, offload_optimizer=True, dtype=torch.bfloat16)
+    psi = 1_001_000
+    assert est["cpu"] == pytest.approx(12 * psi / 2)
+    assert est["device"] == pytest.approx(2 * psi + 2 * psi / 2)
+    fp32 = zeroengine.estimate_memory(psi, 2, 3, offload_optimizer=True, offload_param=True)
+    assert fp32["master_params"] == 4 * psi / 2 and fp32["cpu"] == pytest.approx((4 + 4 + 8) * psi / 2)
+
+
+@pytest.mark.parametrize("kwargs", [dict(stage=4), dict(stage=0, offload_optimizer=True), dict(stage=2, offload_param=True),
+                                    dict(stage=1, dtype=torch.int8), dict(stage=1, world_size=0)])
+def test_bad_arguments(kwargs):
+    args = dict(model_or_param_count=10, world_size=2, stage=1) | kwargs
+    with pytest.raises(ValueError):
+        zeroengine.estimate_memory(**args)

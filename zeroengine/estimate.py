@@ -1,0 +1,51 @@
+"""``zeroengine.estimate_memory``: DESIGN.md's model-state formulas, before anything runs.
+
+Per rank, Ψ parameters, N data-parallel ranks. 16-bit training keeps 16-bit
+parameters and gradients plus an fp32 master copy; fp32 training has no master
+copy unless the optimizer is offloaded (the CPU steps fp32 masters then).
+
+| stage | parameters | gradients | fp32 masters | optimizer state (Adam: 2 fp32) |
+|---|---|---|---|---|
+| 0 | full | full | full (16-bit only) | full |
+| 1 | full | full | 1/N | 1/N |
+| 2 | full | 1/N | 1/N | 1/N |
+| 3 | 1/N | 1/N | 1/N | 1/N |
+"""
+from __future__ import annotations
+
+import torch
+
+_WIDTH = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_optimizer: bool = False,
+                    offload_param: bool = False, dtype: torch.dtype = torch.float32,
+                    optimizer_state_bytes_per_param: int = 8) -> dict[str, float]:
+    """Predicted bytes of model states on one rank, by kind and by place ("device" / "cpu")."""
+    if isinstance(model_or_param_count, torch.nn.Module):
+        psi = sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad)
+    else:
+        psi = int(model_or_param_count)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
+    if offload_param and stage != 3:
+        raise ValueError("parameter offload needs ZeRO stage 3")
+    if dtype not in _WIDTH:
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    width, n = _WIDTH[dtype], world_size
+    sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    has_master = dtype != torch.float32 or offload_optimizer
+    est = {
+        "params": width * psi / (n if sharded["params"] else 1),
+        "grads": width * psi / (n if sharded["grads"] else 1),
+        "master_params": (4 * psi / (n if sharded["optimizer"] else 1)) if has_master else 0.0,
+        "optimizer_states": optimizer_state_bytes_per_param * psi / (n if sharded["optimizer"] else 1),
+    }
+    on_cpu = (est["master_params"] + est["optimizer_states"] if offload_optimizer else 0.0) + (
+        est["params"] if offload_param else 0.0)
+    total = sum(est.values())
+    return {**est, "cpu": on_cpu, "device": total - on_cpu, "total": total}
