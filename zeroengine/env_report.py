@@ -110,11 +110,43 @@ def render(report: dict, color: bool) -> str:
     return "\n".join(lines)
 
 
+def render_estimate(params: int, world: int) -> str:
+    """Per-rank model-state memory for every stage and offload mode, in fp32 and 16-bit."""
+    import torch
+
+    from zeroengine.estimate import estimate_memory
+
+    gib = 2**30
+    lines = [f"model states per rank: {params:,} parameters, {world} data-parallel ranks (GiB, device + cpu)",
+             f"{'stage':<7}{'offload':<18}{'fp32 device':>12}{'fp32 cpu':>10}{'16-bit device':>15}{'16-bit cpu':>12}"]
+    for stage in range(4):
+        modes = [("none", False, False)]
+        if stage > 0:
+            modes.append(("optimizer", True, False))
+        if stage == 3:
+            modes.append(("optimizer+param", True, True))
+        for name, opt, par in modes:
+            row = [estimate_memory(params, world, stage, opt, par, dtype) for dtype in (torch.float32, torch.bfloat16)]
+            lines.append(f"{stage:<7}{name:<18}{row[0]['device'] / gib:>12.2f}{row[0]['cpu'] / gib:>10.2f}"
+                         f"{row[1]['device'] / gib:>15.2f}{row[1]['cpu'] / gib:>12.2f}")
+    lines.append("activations, communication buckets and the allocator's slack come on top (DESIGN.md memory model)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ze_report", description="zeroengine environment check")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-color", action="store_true", help="plain text output")
+    parser.add_argument("--estimate", type=float, metavar="MODEL_PARAMS",
+                        help="instead of the environment, print per-rank memory for a model of this many "
+                             "parameters (e.g. 1.3e9) at every stage and offload mode")
+    parser.add_argument("--world", type=int, default=1, help="data-parallel ranks for --estimate (default 1)")
     args = parser.parse_args(argv)
+    if args.estimate is not None:
+        if args.estimate <= 0 or args.world < 1:
+            parser.error("--estimate needs a positive parameter count and --world a positive rank count")
+        print(render_estimate(int(args.estimate), args.world))
+        return 0
     report = collect()
     if args.json:
         import json

@@ -1,0 +1,28 @@
+"""ze_report: the environment report and the --estimate table."""
+import json
+
+import pytest
+
+from zeroengine import env_report
+from zeroengine.estimate import estimate_memory
+
+
+def test_json_report_has_the_environment_and_the_op_table(capsys):
+    assert env_report.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("torch", "cuda_available", "gloo", "nccl", "simd", "memory_total_gib", "ninja", "ops"):
+        assert key in report
+    assert {op["name"] for op in report["ops"]} >= {"cpu_adam", "fused_adam"}
+
+
+def test_estimate_table_matches_estimate_memory(capsys):
+    assert env_report.main(["--estimate", "1e9", "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    stage2_offload = [line for line in out.splitlines() if line.startswith("2") and "optimizer" in line][0]
+    fp32 = estimate_memory(10**9, 8, 2, offload_optimizer=True)
+    assert f"{fp32['device'] / 2**30:.2f}" in stage2_offload and f"{fp32['cpu'] / 2**30:.2f}" in stage2_offload
+
+
+def test_estimate_rejects_nonsense():
+    with pytest.raises(SystemExit):
+        env_report.main(["--estimate", "-5"])
