@@ -15,7 +15,8 @@ def test_every_element_is_owned_by_exactly_one_rank(world, bucket):
     for b in layout.buckets:
         assert b.padded_numel % (world * 4) == 0 and b.padded_numel >= b.numel
         for rank in range(world):
-            for slot, lo, hi in b.pieces_in_chunk(rank):
+            for slot, lo, hi, chunk_start in b.pieces_in_chunk(rank):
+                assert b.chunk_range(rank)[0] + chunk_start == slot.flat_start + lo
                 for e in range(lo, hi):
                     assert (slot.index, e) not in owned
                     owned[(slot.index, e)] = rank

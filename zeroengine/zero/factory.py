@@ -91,15 +91,9 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
     flat = FlatParamBuffer(params, layout, policy.param_dtype, rank)
     module.to(policy.param_dtype)  # whatever is not trainable (buffers, frozen params) follows
     reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
-    if stage == 1:
-        grad_store = FullGradStore(flat, reducer)
-    else:
-        grad_store = PartitionedGradStore(flat, reducer)
-    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, fp32_values, grad_store, rank,
-                               offload=zero_config.offload_optimizer)
-    sharded.adopt_param_groups([group_of[id(p)] for p in params])
-    _register(sharded, flat, params)
-    return sharded
+    grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
+    return _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, flat, params, fp32_values, grad_store,
+                     group_of)
 
 
 def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
@@ -121,15 +115,18 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     hooks = Stage3Hooks(module, buffer, layout)
     reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
     grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready)
-    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store, rank,
-                               after_backward=hooks.release_all, offload=zero_config.offload_optimizer)
+    return _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, params, fp32_values,
+                     grad_store, group_of, after_backward=hooks.release_all)
+
+
+def _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, params, fp32_values, grad_store,
+              group_of, after_backward=None) -> ShardedOptimizer:
+    """What stages 1-3 share once parameters and gradients have their homes: the sharded optimizer,
+    its param groups, and the registry GatheredParameters and the full-value helpers use."""
+    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store,
+                               buffer.rank, after_backward=after_backward, offload=zero_config.offload_optimizer)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
-    _register(sharded, buffer, params)
-    return sharded
-
-
-def _register(sharded, buffer, params) -> None:
-    """Let GatheredParameters and the full-value helpers find each parameter's shard."""
     for bucket in buffer.layout.buckets:
         for slot in bucket.slots:
             register_partitioned(params[slot.index], buffer, bucket.index, sharded, slot.index)
+    return sharded

@@ -78,11 +78,10 @@ class FlatParamBuffer(ParamBuffer):
 
 def gather_chunk(params: list[torch.Tensor], bucket: Bucket, rank: int, dtype: torch.dtype) -> torch.Tensor:
     """A new tensor holding ``rank``'s chunk of ``bucket`` read from the (unflattened) ``params``; padding is 0."""
-    lo, _ = bucket.chunk_range(rank)
     device = params[bucket.slots[0].index].device
     chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=device)
     with torch.no_grad():
-        for slot, a, b in bucket.pieces_in_chunk(rank):
-            start = slot.flat_start + a - lo
-            chunk[start:start + (b - a)].copy_(params[slot.index].detach().reshape(-1)[a:b])
+        for piece in bucket.pieces_in_chunk(rank):
+            chunk[piece.chunk_start:piece.chunk_start + piece.numel].copy_(
+                params[piece.slot.index].detach().reshape(-1)[piece.param_start:piece.param_end])
     return chunk

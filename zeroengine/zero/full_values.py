@@ -35,15 +35,6 @@ def _gather_slice(owner, bucket, slot, shape, chunk: torch.Tensor) -> torch.Tens
     return full[start:start + slot.numel].view(shape).clone()
 
 
-def _own_range(owner, bucket, slot):
-    """(start in this rank's chunk, start in the parameter, length) of the slice this rank owns, or None."""
-    lo, hi = bucket.chunk_range(owner.rank)
-    a, b = max(lo, slot.flat_start), min(hi, slot.flat_end)
-    if a >= b:
-        return None
-    return a - lo, a - slot.flat_start, b - a
-
-
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     owner, bucket, slot, shape = _entry(param)
     return _gather_slice(owner, bucket, slot, shape, owner.chunks[bucket.index].float())
@@ -64,11 +55,10 @@ def safe_get_full_optimizer_state(param: torch.Tensor, key: str) -> torch.Tensor
     owner, bucket, slot, shape = _entry(param)
     chunk = torch.zeros(bucket.chunk_numel, dtype=torch.float32, device=owner.flat_params.device)
     found = 0.0
-    for (s, a, b), piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
+    for where, piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
         value = owner.optimizer.state.get(piece, {}).get(key)
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            start = s.flat_start + a - bucket.chunk_range(owner.rank)[0]
-            chunk[start:start + (b - a)] = value.float()
+            chunk[where.chunk_start:where.chunk_start + where.numel] = value.float()
             found = 1.0
     if comm.all_reduce_scalar(found, op=comm.ReduceOp.MAX, group=owner.group) == 0.0:
         return None
@@ -81,21 +71,21 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"value has shape {tuple(value.shape)}, the parameter {tuple(shape)}")
     flat = value.detach().reshape(-1)
-    own = _own_range(owner, bucket, slot)
+    own = bucket.piece(slot, owner.rank)
     with torch.no_grad():
         if own is not None:
-            c, p, n = own
-            owner.chunks[bucket.index][c:c + n].copy_(flat[p:p + n])
+            owner.chunks[bucket.index][own.chunk_start:own.chunk_start + own.numel].copy_(
+                flat[own.param_start:own.param_end])
         owner.flat_params.set_param_value(slot, bucket, flat)
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str) -> None:
     owner, bucket, slot, shape = _entry(param)
     flat = value.detach().reshape(-1)
-    for (s, a, b), piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
-        if s.index == slot.index:
+    for where, piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
+        if where.slot.index == slot.index:
             state = owner.optimizer.state.get(piece)
             if state is None or key not in state:
                 raise ValueError(f"optimizer state {key!r} does not exist yet (take one step first)")
             with torch.no_grad():
-                state[key].copy_(flat[a:b])
+                state[key].copy_(flat[where.param_start:where.param_end])

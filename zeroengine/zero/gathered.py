@@ -15,6 +15,8 @@ import torch
 
 from zeroengine import comm
 
+from .partitioned_params import PartitionedParamBuffer
+
 # id(parameter) -> (weak ref to it, its param buffer, bucket index, the ShardedOptimizer owning it, its index).
 # Keyed by id, not by tensor: tensors compare elementwise, so they cannot be dict keys by value.
 _REGISTRY: dict[int, tuple] = {}
@@ -33,10 +35,15 @@ def _lookup(param: torch.Tensor):
     return entry[1:]
 
 
+def _stage3_entry(param: torch.Tensor):
+    """The registry entry of a stage-3 parameter (one whose buffer partitions it), else None."""
+    entry = _lookup(param)
+    return entry if entry is not None and isinstance(entry[0], PartitionedParamBuffer) else None
+
+
 def is_partitioned(param: torch.Tensor) -> bool:
     """True for a stage-3 parameter (empty between uses)."""
-    entry = _lookup(param)
-    return entry is not None and hasattr(entry[0], "gather")
+    return _stage3_entry(param) is not None
 
 
 class GatheredParameters:
@@ -53,8 +60,8 @@ class GatheredParameters:
             return self
         seen = {}
         for p in self.params:
-            entry = _lookup(p)
-            if entry is not None and hasattr(entry[0], "gather"):  # only stage 3 partitions parameters
+            entry = _stage3_entry(p)
+            if entry is not None:
                 buffer, index, owner, _ = entry
                 seen[(id(buffer), index)] = (buffer, index, owner)
         # The same order on every rank: the gathers are collectives.

@@ -106,7 +106,6 @@ class FullGradStore:
         # complete, overlapping the rest of backward (between boundaries: nothing is sent).
         self._launcher = _InOrderLauncher(self.layout, self._launch)
         self._bucket_of = self.layout.bucket_of_param()
-        self._slot_of = self.layout.slot_of()
         self._reducing = False
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                          for i, p in enumerate(flat_params.params)]
@@ -132,7 +131,6 @@ class FullGradStore:
         def hook(_param):
             if not self._reducing:
                 return
-            self._attach(self._slot_of[index])
             self._launcher.mark_ready(self._bucket_of[index])
             self._launcher.launch_ready(force=False)
 

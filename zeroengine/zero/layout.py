@@ -21,6 +21,7 @@ Buckets also bound the temporary memory of a reduction to one bucket.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,19 @@ class ParamSlot:
     @property
     def flat_end(self) -> int:
         return self.flat_start + self.numel
+
+
+class Piece(NamedTuple):
+    """The part of one parameter that falls in one rank's chunk."""
+
+    slot: ParamSlot
+    param_start: int  # within the parameter (flattened)
+    param_end: int
+    chunk_start: int  # within the rank's chunk
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
 
 
 @dataclass(frozen=True)
@@ -54,15 +68,17 @@ class Bucket:
         start = self.flat_start + rank * self.chunk_numel
         return start, start + self.chunk_numel
 
-    def pieces_in_chunk(self, rank: int) -> list[tuple[ParamSlot, int, int]]:
-        """(slot, start within param, end within param) for each parameter overlapping ``rank``'s chunk."""
+    def piece(self, slot: ParamSlot, rank: int) -> Piece | None:
+        """The part of ``slot``'s parameter in ``rank``'s chunk of this bucket, or None."""
         lo, hi = self.chunk_range(rank)
-        out = []
-        for slot in self.slots:
-            a, b = max(lo, slot.flat_start), min(hi, slot.flat_end)
-            if a < b:
-                out.append((slot, a - slot.flat_start, b - slot.flat_start))
-        return out
+        a, b = max(lo, slot.flat_start), min(hi, slot.flat_end)
+        if a >= b:
+            return None
+        return Piece(slot, a - slot.flat_start, b - slot.flat_start, a - lo)
+
+    def pieces_in_chunk(self, rank: int) -> list[Piece]:
+        """One piece for each parameter overlapping ``rank``'s chunk, in layout order."""
+        return [p for p in (self.piece(slot, rank) for slot in self.slots) if p is not None]
 
 
 @dataclass(frozen=True)

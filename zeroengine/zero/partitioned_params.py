@@ -78,10 +78,10 @@ class PartitionedParamBuffer(ParamBuffer):
 
     def set_param_value(self, slot, bucket: Bucket, flat_value: torch.Tensor) -> None:
         """Keep this rank's slice of a new full value (and the gathered copy, if any)."""
-        lo, hi = bucket.chunk_range(self.rank)
-        a, b = max(lo, slot.flat_start), min(hi, slot.flat_end)
-        if a < b:
-            self.chunk_view(bucket, self.rank)[a - lo:b - lo].copy_(flat_value[a - slot.flat_start:b - slot.flat_start])
+        own = bucket.piece(slot, self.rank)
+        if own is not None:
+            self.chunk_view(bucket, self.rank)[own.chunk_start:own.chunk_start + own.numel].copy_(
+                flat_value[own.param_start:own.param_end])
         full = self.full[bucket.index]
         if full is not None:
             start = slot.flat_start - bucket.flat_start

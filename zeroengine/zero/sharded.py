@@ -61,11 +61,9 @@ class ShardedOptimizer(ZeroOptimizer):
         return self.policy.mixed or self.offload is not None
 
     def _pieces_of(self, bucket_index: int) -> list[torch.nn.Parameter]:
-        bucket = self.layout.buckets[bucket_index]
-        lo, _ = bucket.chunk_range(self.rank)
         chunk = self.chunks[bucket_index]
-        return [torch.nn.Parameter(chunk[slot.flat_start + a - lo: slot.flat_start + b - lo])
-                for slot, a, b in bucket.pieces_in_chunk(self.rank)]
+        return [torch.nn.Parameter(chunk[p.chunk_start:p.chunk_start + p.numel])
+                for p in self.layout.buckets[bucket_index].pieces_in_chunk(self.rank)]
 
     def adopt_param_groups(self, group_of_param: list[int]) -> None:
         """Replace the torch optimizer's parameters by this rank's pieces, group by group."""
@@ -73,8 +71,8 @@ class ShardedOptimizer(ZeroOptimizer):
             raise ValueError("ZeRO needs a fresh optimizer: the one passed in has already stepped")
         new_params: list[list[torch.nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
         for bucket, pieces in zip(self.layout.buckets, self.pieces):
-            for (slot, _, _), piece in zip(bucket.pieces_in_chunk(self.rank), pieces):
-                new_params[group_of_param[slot.index]].append(piece)
+            for where, piece in zip(bucket.pieces_in_chunk(self.rank), pieces):
+                new_params[group_of_param[where.slot.index]].append(piece)
         for group, params in zip(self.optimizer.param_groups, new_params):
             group["params"] = params
 
@@ -102,9 +100,8 @@ class ShardedOptimizer(ZeroOptimizer):
             g = chunk_grad.to(device=self.chunks[bucket.index].device, dtype=torch.float32)
             if inv_scale != 1.0:
                 g = g * inv_scale
-            lo, _ = bucket.chunk_range(self.rank)
-            for (slot, a, b), piece in zip(bucket.pieces_in_chunk(self.rank), pieces):
-                piece.grad = g[slot.flat_start + a - lo: slot.flat_start + b - lo]
+            for where, piece in zip(bucket.pieces_in_chunk(self.rank), pieces):
+                piece.grad = g[where.chunk_start:where.chunk_start + where.numel]
             grads.append(g)
         self._fp32_chunk_grads = grads
         return grads
