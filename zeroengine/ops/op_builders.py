@@ -18,3 +18,19 @@ class FusedAdamBuilder(CUDAOpBuilder):
     NAME = "fused_adam"
     SOURCE_DIR = "adam"
     SOURCES = ("fused_adam.cpp", "fused_adam.cu")
+
+
+class MoEDispatchBuilder(CPUOpBuilder):
+    """MoE token permutation and weighted un-permutation on CPU (ops/csrc/moe/moe_dispatch_cpu.cpp)."""
+
+    NAME = "moe_dispatch"
+    SOURCE_DIR = "moe"
+    SOURCES = ("moe_dispatch_cpu.cpp",)
+
+
+class MoEDispatchCUDABuilder(CUDAOpBuilder):
+    """MoE token permutation and weighted un-permutation on CUDA (ops/csrc/moe/moe_dispatch{.cu,_cuda.cpp})."""
+
+    NAME = "moe_dispatch_cuda"
+    SOURCE_DIR = "moe"
+    SOURCES = ("moe_dispatch_cuda.cpp", "moe_dispatch.cu")

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from zeroengine.ops.builder import OpBuilder
-from zeroengine.ops.op_builders import CPUAdamBuilder, FusedAdamBuilder
+from zeroengine.ops.op_builders import CPUAdamBuilder, FusedAdamBuilder, MoEDispatchBuilder, MoEDispatchCUDABuilder
 
-_BUILDERS: tuple[type[OpBuilder], ...] = (CPUAdamBuilder, FusedAdamBuilder)
+_BUILDERS: tuple[type[OpBuilder], ...] = (CPUAdamBuilder, FusedAdamBuilder, MoEDispatchBuilder,
+                                          MoEDispatchCUDABuilder)
 
 
 def all_builders() -> list[OpBuilder]:

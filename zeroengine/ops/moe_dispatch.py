@@ -1,0 +1,156 @@
+"""MoE token permutation: gather tokens into expert order, and scatter them back with a weighted combine.
+
+Two differentiable ops over 2-d ``[rows, hidden]`` tensors, defined by the
+pure-PyTorch references below and run by the C++ (CPU, OpenMP) or CUDA kernels
+of ops/csrc/moe/ when those build:
+
+* ``permute_tokens(x, index, rows)``: ``out[i] = x[index[i]]``. ``rows[t, j]``
+  names the output row holding token t's j-th copy (-1: none); the backward is
+  ``grad_x[t] = sum_j grad[rows[t, j]]``, i.e. an un-permutation with unit weights.
+* ``unpermute_combine(y, rows, weights)``: ``out[t] = sum_j weights[t, j] * y[rows[t, j]]``,
+  skipping ``rows[t, j] < 0`` (a dropped token). Each row of ``y`` must be named
+  at most once. Gradients reach ``y`` and ``weights``.
+
+Accumulation is in fp32 (fp64 for double) whatever the storage dtype, and
+``weights`` are fp32 (a router computes in fp32 under bf16/fp16).
+``impl="auto"`` uses a kernel when one is available for the tensor's device and
+dtype (else the reference, after one warning), ``"kernel"`` insists on it,
+``"torch"`` never uses it.
+"""
+from __future__ import annotations
+
+import torch
+
+from zeroengine.ops.builder import load_kernel
+from zeroengine.ops.op_builders import MoEDispatchBuilder, MoEDispatchCUDABuilder
+
+__all__ = ["backend", "combine_rows_backward_reference", "combine_rows_reference", "gather_rows_reference",
+           "permute_tokens", "unpermute_combine"]
+
+_IMPLS = ("auto", "kernel", "torch")
+_KERNEL_DTYPES = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                  "cuda": (torch.float32, torch.bfloat16, torch.float16)}
+_kernels: dict[str, object] = {}
+
+
+# -- the definition: pure-PyTorch references ---------------------------------------------------------
+def gather_rows_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, index)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def combine_rows_reference(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    valid = rows >= 0
+    w = valid.to(_acc_dtype(y.dtype)) if weights is None else weights.to(_acc_dtype(y.dtype)) * valid
+    picked = y.index_select(0, rows.clamp(min=0).reshape(-1)).view(*rows.shape, y.shape[1])
+    return (picked.to(w.dtype) * w.unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+def combine_rows_backward_reference(grad: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+                                    weights: torch.Tensor | None, need_grad_y: bool = True,
+                                    need_grad_w: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    acc = _acc_dtype(y.dtype)
+    valid = rows >= 0
+    grad_y = grad_w = None
+    if need_grad_y:
+        token = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(rows)[valid]
+        scaled = grad.index_select(0, token).to(acc)
+        if weights is not None:
+            scaled = scaled * weights[valid].to(acc).unsqueeze(1)
+        grad_y = torch.zeros_like(y).index_add_(0, rows[valid], scaled.to(y.dtype))
+    if need_grad_w:
+        picked = y.index_select(0, rows.clamp(min=0).reshape(-1)).view(*rows.shape, y.shape[1])
+        grad_w = ((grad.to(acc).unsqueeze(1) * picked.to(acc)).sum(-1) * valid).float()
+    return grad_y, grad_w
+
+
+# -- kernel selection -------------------------------------------------------------------------------
+def _kernel(t: torch.Tensor, impl: str):
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    device = t.device.type
+    if impl == "torch" or t.dtype not in _KERNEL_DTYPES.get(device, ()):
+        if impl == "kernel":
+            raise ValueError(f"moe_dispatch has no kernel for {t.dtype} on {device}")
+        return None
+    if device not in _kernels:
+        builder = MoEDispatchBuilder() if device == "cpu" else MoEDispatchCUDABuilder()
+        _kernels[device] = load_kernel(builder, impl == "kernel", "moe_dispatch", "the PyTorch reference")
+    if _kernels[device] is None and impl == "kernel":
+        raise RuntimeError(f"moe_dispatch kernel unavailable on {device}")
+    return _kernels[device]
+
+
+def backend(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """What ``impl="auto"`` runs for tensors of this device and dtype: ``"cpp"``, ``"cuda"`` or ``"torch"``."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    if _kernel(probe, "auto") is None:
+        return "torch"
+    return "cpp" if probe.device.type == "cpu" else "cuda"
+
+
+def _combine(y, rows, weights, impl):
+    kernel = _kernel(y, impl)
+    if kernel is None:
+        return combine_rows_reference(y, rows, weights)
+    return kernel.combine_rows(y.contiguous(), rows, weights)
+
+
+def _combine_backward(grad, y, rows, weights, need_grad_y, need_grad_w, covers_all, impl):
+    kernel = _kernel(y, impl)
+    if kernel is None:
+        return combine_rows_backward_reference(grad, y, rows, weights, need_grad_y, need_grad_w)
+    grad_y, grad_w = kernel.combine_rows_backward(grad.contiguous(), y.contiguous(), rows, weights, need_grad_y,
+                                                  need_grad_w, not covers_all)
+    return grad_y, grad_w
+
+
+# -- autograd ---------------------------------------------------------------------------------------
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, rows, impl):
+        ctx.save_for_backward(rows)
+        ctx.impl = impl
+        kernel = _kernel(x, impl)
+        return gather_rows_reference(x, index) if kernel is None else kernel.gather_rows(x.contiguous(), index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return _combine(grad.contiguous(), rows, None, ctx.impl), None, None, None
+
+
+class _UnpermuteCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, rows, weights, covers_all, impl):
+        ctx.save_for_backward(y, rows, weights)
+        ctx.covers_all, ctx.impl = covers_all, impl
+        return _combine(y, rows, weights, impl)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, rows, weights = ctx.saved_tensors
+        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2] and weights is not None
+        grad_y, grad_w = _combine_backward(grad.contiguous(), y, rows, weights, need_y, need_w, ctx.covers_all,
+                                           ctx.impl)
+        return grad_y, None, grad_w, None, None
+
+
+def permute_tokens(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """``x[index]`` (rows of a 2-d tensor); ``rows`` is the inverse map used by the backward (see module doc)."""
+    return _PermuteTokens.apply(x, index, rows, impl)
+
+
+def unpermute_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None = None,
+                      covers_all: bool = False, impl: str = "auto") -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[rows[t, j]]`` (see module doc).
+
+    ``covers_all=True`` promises every row of ``y`` is named once, so the
+    backward need not zero ``grad_y`` first.
+    """
+    if weights is not None and weights.dtype != torch.float32:
+        weights = weights.float()
+    return _UnpermuteCombine.apply(y, rows, None if weights is None else weights.contiguous(), covers_all, impl)
