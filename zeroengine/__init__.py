@@ -16,7 +16,7 @@ _EXPORTS = {
     "init_distributed": "zeroengine.comm",
     "initialize": "zeroengine.initialization",
 }
-_SUBMODULES = {"comm", "config", "ops", "testing", "zero", "optim", "precision", "launcher"}
+_SUBMODULES = {"comm", "config", "ops", "testing", "zero", "optim", "precision", "launcher", "checkpointing", "checkpoint"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -1,7 +1,7 @@
 """Features the config can describe but this build cannot run yet.
 
 The config schema is DeepSpeed's whole contract, and some of it (parameter offload,
-monitors, activation-checkpointing options, stage-3 tuning) lands in later
+monitors, stage-3 tuning) lands in later
 work. A user who asks for one of those must hear so before training starts,
 not discover it as an out-of-memory or a missing log: numerics-changing or
 memory-changing features are refused with a ConfigError; pure performance
@@ -28,19 +28,9 @@ def check_supported(cfg) -> None:
         raise ConfigError("zero_optimization.offload_param",
                           "parameter offload is not implemented in this build yet; remove the block "
                           "(or set its device to \"none\")")
-    if zero.stage == 3 and zero.stage3_gather_16bit_weights_on_model_save:
-        raise ConfigError("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                          "saving (and so gathering weights on save) is not implemented in this build yet; "
-                          "set it to false")
     if cfg.monitor.enabled:
         raise ConfigError("monitor", "the CSV / TensorBoard monitors are not implemented in this build yet; "
                           "set their 'enabled' to false")
-    ac = cfg.activation_checkpointing
-    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                "synchronize_checkpoint_boundary", "profile"):
-        if getattr(ac, key):
-            raise ConfigError(f"activation_checkpointing.{key}",
-                              "activation checkpointing is not implemented in this build yet; set it to false")
     if zero.stage == 3:
         tuned = [k for k, default in _STAGE3_TUNING_DEFAULTS.items() if getattr(zero, k) != default]
         if tuned:

@@ -8,6 +8,7 @@ import torch
 
 from zeroengine import comm
 from zeroengine.capabilities import check_supported
+from zeroengine.checkpointing.config import configure_from_initialize as configure_checkpointing
 from zeroengine.config import ConfigError, load_config
 from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine
@@ -56,11 +57,13 @@ def _trainable_params(model, model_parameters):
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
-               config=None, collate_fn=None, dist_init_required=None, config_params=None):
+               config=None, collate_fn=None, dist_init_required=None, config_params=None, mpu=None):
     """Wrap ``model`` for distributed, memory-sharded training.
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` as
     DeepSpeed does; the dataloader is None unless ``training_data`` is given.
+    ``mpu`` (Megatron-style model-parallel unit) gives activation checkpointing
+    its model-parallel group for ``partition_activations``.
     """
     if model is None:
         raise ValueError("zeroengine.initialize: model is required")
@@ -72,6 +75,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         comm.init_distributed()
     cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
     check_supported(cfg)
+    configure_checkpointing(cfg, mpu)
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()
 

@@ -14,9 +14,6 @@ def _cfg(**extra):
 @pytest.mark.parametrize("extra,key", [
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
     ({"monitor": {"tensorboard": {"enabled": True}}}, "monitor"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
-    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}},
-     "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
 ])
 def test_unimplemented_features_are_refused_with_their_key(extra, key):
     with pytest.raises(ConfigError) as err:
@@ -30,6 +27,14 @@ def test_disabled_blocks_and_defaults_pass_quietly():
         check_supported(_cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "none"}},
                              monitor={"csv": {"enabled": False}}, activation_checkpointing={}))
         check_supported(_cfg(zero_optimization={"stage": 3}))
+
+
+def test_activation_checkpointing_options_are_accepted():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_supported(_cfg(activation_checkpointing={
+            "partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True,
+            "number_checkpoints": 4, "synchronize_checkpoint_boundary": True, "profile": True}))
 
 
 def test_stage3_tuning_knobs_are_named_in_a_warning():
