@@ -138,6 +138,31 @@ class Engine:
         """Bytes held by this rank: by kind (params, grads, ...) and by place (cpu, device)."""
         return self.optimizer.memory_tally().as_dict()
 
+    # -- checkpoints (zeroengine.checkpoint) ----------------------------------
+    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
+        """Save everything needed to resume (collective: every rank calls it). Returns the tag directory."""
+        from zeroengine.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Resume from ``load_dir`` (any world size, any stage). Returns ``(tag_dir, client_state)``."""
+        from zeroengine.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """The full model in its training dtype, as one plain state_dict on rank 0 (collective).
+
+        At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save``, as in DeepSpeed: the
+        gather costs a full copy of the model on every rank. Returns False (and says why) when off.
+        """
+        from zeroengine.checkpoint.model_file import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename)
+
     # -- internals ------------------------------------------------------------
     def _time(self, name: str, start: bool) -> None:
         if self._timers is not None:

@@ -5,6 +5,7 @@ from .backend import (
     disable_sequence_check,
     enable_sequence_check,
     get_rank,
+    get_rank_in,
     get_world_size,
     init_distributed,
     sequence_check_requested,
@@ -21,11 +22,13 @@ from .collectives import (
     reduce_scatter,
 )
 from .counters import CommCounters, counters, ring_wire_bytes
+from .handshake import HandshakeTimeout, handshakes
 from .sequence_check import CollectiveMismatchError
 
 __all__ = [
-    "CollectiveMismatchError", "CommCounters", "ReduceOp", "all_gather", "all_reduce", "all_reduce_scalar",
-    "all_to_all_single", "barrier", "broadcast", "counters", "default_backend", "device_for_backend",
-    "disable_sequence_check", "enable_sequence_check", "get_rank", "get_world_size", "init_distributed",
-    "reduce_scatter", "ring_wire_bytes", "sequence_check_requested", "shutdown",
+    "all_gather", "all_reduce", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
+    "CollectiveMismatchError", "CommCounters", "counters", "default_backend", "device_for_backend",
+    "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in", "get_world_size", "handshakes",
+    "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp", "ring_wire_bytes",
+    "sequence_check_requested", "shutdown"
 ]

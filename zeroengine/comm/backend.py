@@ -91,6 +91,11 @@ def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def get_rank_in(group=None) -> int:
+    """This process's rank within ``group`` (the world when None)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
 def get_world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 

@@ -26,6 +26,25 @@ from zeroengine.precision.policy import PrecisionPolicy
 
 
 @dataclass(frozen=True)
+class StatePiece:
+    """Elements [start, end) of a parameter's flattened fp32 value, as one rank holds them (for checkpoints).
+
+    ``value`` is the tensor the optimizer steps for that range (an fp32 master
+    slice, a shard piece or the parameter itself); ``opt_param`` is its key in
+    ``optimizer.state``. ``replicated`` pieces are held alike by every rank of
+    ``group`` (stage 0), so only one of them needs to write them.
+    """
+
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    value: torch.Tensor
+    opt_param: torch.Tensor
+    replicated: bool = False
+    group: object = None
+
+
+@dataclass(frozen=True)
 class StepResult:
     applied: bool
     grad_norm: float
@@ -73,6 +92,18 @@ class ZeroOptimizer:
         raise NotImplementedError
 
     def memory_tally(self) -> MemoryTally:
+        raise NotImplementedError
+
+    def checkpoint_params(self) -> list[torch.nn.Parameter]:
+        """The model parameters whose values the pieces of all ranks together hold (the rest: module extras)."""
+        raise NotImplementedError
+
+    def checkpoint_pieces(self) -> list[StatePiece]:
+        """This rank's fp32 values and optimizer-state keys, by parameter and flat range."""
+        raise NotImplementedError
+
+    def after_checkpoint_load(self) -> None:
+        """The pieces' values were overwritten: bring the model's parameters in line with them."""
         raise NotImplementedError
 
     # -- the shared step ------------------------------------------------------

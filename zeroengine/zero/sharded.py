@@ -21,7 +21,7 @@ from zeroengine.memory import MemoryTally
 
 from .flat_params import gather_chunk
 from .layout import FlatLayout
-from .optimizer import ZeroOptimizer
+from .optimizer import StatePiece, ZeroOptimizer
 
 
 class ShardedOptimizer(ZeroOptimizer):
@@ -135,3 +135,15 @@ class ShardedOptimizer(ZeroOptimizer):
         tally.add("buffers", self.module.buffers())
         tally.add("buffers", self.grad_store.comm_buffers())
         return tally
+
+    def checkpoint_params(self) -> list[torch.nn.Parameter]:
+        return list(self.flat_params.params)
+
+    def checkpoint_pieces(self) -> list[StatePiece]:
+        params = self.flat_params.params
+        return [StatePiece(params[where.slot.index], where.param_start, where.param_end, piece, piece)
+                for bucket, pieces in zip(self.layout.buckets, self.pieces)
+                for where, piece in zip(bucket.pieces_in_chunk(self.rank), pieces)]
+
+    def after_checkpoint_load(self) -> None:
+        self.flat_params.after_step(self.chunks)

@@ -14,7 +14,7 @@ from zeroengine.comm.bucketing import all_reduce_mean_in_buckets
 from zeroengine.memory import MemoryTally
 from zeroengine.precision.master_weights import MasterWeights
 
-from .optimizer import ZeroOptimizer
+from .optimizer import StatePiece, ZeroOptimizer
 
 
 class DataParallelOptimizer(ZeroOptimizer):
@@ -84,3 +84,18 @@ class DataParallelOptimizer(ZeroOptimizer):
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         return tally
+
+    def checkpoint_params(self) -> list[torch.nn.Parameter]:
+        if self.master_weights is not None:
+            return list(self.master_weights.model_params)
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def checkpoint_pieces(self) -> list[StatePiece]:
+        params = self.checkpoint_params()
+        values = self.master_weights.masters if self.master_weights is not None else params
+        return [StatePiece(p, 0, p.numel(), v, v, replicated=True, group=self.group) for p, v in zip(params, values)]
+
+    @torch.no_grad()
+    def after_checkpoint_load(self) -> None:
+        if self.master_weights is not None:
+            self.master_weights.write_back()

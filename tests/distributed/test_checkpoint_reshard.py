@@ -1,0 +1,144 @@
+"""Checkpoints outlive their world: save with N ranks at stage s, resume with M ranks at stage t.
+
+The global batch is the same in every world (8 samples a step), so an
+uninterrupted run and a resumed one see identical data; after loading, the
+weights must be bit-identical to those saved, and training must continue as
+if it had never stopped.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroengine
+from parity import ADAM_EPS, TINY, make_model
+from zeroengine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+from zeroengine.testing import run_distributed
+from zeroengine.zero import GatheredParameters
+
+GLOBAL_BATCH = 8
+SAVE_AT, MORE = 3, 3
+
+
+def config(world, stage, dtype="fp32", offload=False):
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+        "gradient_clipping": 0.5,
+        "steps_per_print": 1000,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": ADAM_EPS}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                     "warmup_num_steps": 10}},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+    }
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    return cfg
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(TINY.vocab_size, (GLOBAL_BATCH, TINY.block_size), generator=g)
+    y = torch.randint(TINY.vocab_size, (GLOBAL_BATCH, TINY.block_size), generator=g)
+    per_rank = GLOBAL_BATCH // world
+    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+
+
+def train(engine, rank, world, first, count):
+    losses = []
+    for step in range(first, first + count):
+        x, y = batch(step, rank, world)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(zeroengine.comm.all_reduce_scalar(loss.item()) / world)
+    return losses
+
+
+def full_state(engine):
+    with GatheredParameters(list(engine.module.parameters())):
+        return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def save_then_continue(rank, world, stage, save_dir, dtype="fp32", offload=False):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=config(world, stage, dtype, offload))
+    train(engine, rank, world, 0, SAVE_AT)
+    engine.save_checkpoint(save_dir, tag="step3", client_state={"epoch": 1, "note": "hi", "t": torch.ones(2)})
+    saved = full_state(engine)
+    losses = train(engine, rank, world, SAVE_AT, MORE)
+    return saved, losses, full_state(engine), engine.get_lr()
+
+
+def load_then_continue(rank, world, stage, load_dir, dtype="fp32", offload=False):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(seed=7), config=config(world, stage, dtype, offload))
+    path, client_state = engine.load_checkpoint(load_dir)
+    loaded = full_state(engine)
+    steps = engine.global_steps
+    losses = train(engine, rank, world, SAVE_AT, MORE)
+    return path, client_state, steps, loaded, losses, full_state(engine), engine.get_lr()
+
+
+@pytest.fixture(scope="module")
+def stage3_checkpoint(tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("ckpt") / "run")
+    results = run_distributed(save_then_continue, 2, 3, save_dir)
+    return save_dir, results[0]
+
+
+@pytest.mark.parametrize("world,stage", [(1, 0), (2, 1), (4, 2)])
+def test_stage3_checkpoint_resumes_in_another_world_and_stage(stage3_checkpoint, world, stage):
+    save_dir, (saved, losses, final, lr) = stage3_checkpoint
+    for path, client_state, steps, loaded, got_losses, got_final, got_lr in run_distributed(
+            load_then_continue, world, stage, save_dir):
+        assert path == os.path.join(save_dir, "step3") and steps == SAVE_AT
+        assert client_state["epoch"] == 1 and client_state["note"] == "hi" and torch.equal(client_state["t"],
+                                                                                          torch.ones(2))
+        for name, value in saved.items():  # the very values saved, not approximately
+            assert torch.equal(loaded[name], value), name
+        torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), atol=1e-6, rtol=0)
+        for name, value in final.items():
+            torch.testing.assert_close(got_final[name], value, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert got_lr == lr  # the scheduler resumed where it was
+
+
+def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
+    save_dir, (saved, _, _, _) = stage3_checkpoint
+    state = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+    assert set(state) == set(saved)
+    for name, value in saved.items():
+        assert torch.equal(state[name], value), name
+    out = tmp_path / "model.pt"
+    done = subprocess.run([sys.executable, "-m", "zeroengine.checkpoint.consolidate", save_dir, str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    model = make_model(seed=5)
+    model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, tied head included
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
+@pytest.mark.parametrize("save,load", [
+    ((2, 2, "bf16", True), (2, 3, "bf16", False)),
+    ((2, 1, "fp16", False), (2, 1, "fp16", False)),
+])
+def test_16bit_and_offload_checkpoints_resume(tmp_path, save, load):
+    save_world, save_stage, dtype, save_offload = save
+    world, stage, _, offload = load
+    save_dir = str(tmp_path / "run")
+    saved, losses, final, _ = run_distributed(save_then_continue, save_world, save_stage, save_dir, dtype,
+                                              save_offload)[0]
+    for _, _, _, loaded, got_losses, got_final, _ in run_distributed(load_then_continue, world, stage, save_dir,
+                                                                     dtype, offload):
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name
+        # Same world and stage: the resumed run is the uninterrupted one, bit for bit.
+        # Another stage reduces in another order: 16-bit rounding of the same sums.
+        if (world, stage) == (save_world, save_stage):
+            assert got_losses == losses
+            assert all(torch.equal(got_final[k], v) for k, v in final.items())
+        else:
+            torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), atol=0.02 * losses[0], rtol=0)

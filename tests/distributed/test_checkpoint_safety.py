@@ -1,0 +1,196 @@
+"""Nothing is lost: killed saves, failing ranks, damaged files, one-rank saves and untrusted checkpoints."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import zeroengine
+from parity import make_model
+from test_checkpoint_reshard import config, full_state, train
+from zeroengine.checkpoint import CheckpointError, save as save_module
+from zeroengine.testing import DistributedTestError, run_distributed
+
+
+def _engine(world, stage=2):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=config(world, stage))
+    return engine
+
+
+def save_twice_dying_in_the_second(rank, world, save_dir, victim, where):
+    engine = _engine(world)
+    train(engine, rank, world, 0, 1)
+    engine.save_checkpoint(save_dir, tag="good")
+    train(engine, rank, world, 1, 1)
+    if rank == victim:
+        real = save_module.save_tensors if where == "shard" else save_module.save_json
+
+        def die_halfway(obj, path):
+            if where == "shard":  # a partly written temporary file, then the process is gone
+                with open(path + ".partial", "wb") as f:
+                    f.write(b"PK\x03\x04 half a zip")
+            else:  # rank 0 wrote every shard and the manifest, and dies before the rename
+                real(obj, path)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(save_module, "save_tensors" if where == "shard" else "save_json", die_halfway)
+    engine.save_checkpoint(save_dir, tag="doomed")
+
+
+def load_world1(rank, world, load_dir, tag=None):
+    engine = _engine(world, stage=0)
+    path, _ = engine.load_checkpoint(load_dir, tag=tag)
+    return path, engine.global_steps, full_state(engine)
+
+
+def save_and_report(rank, world, save_dir):
+    engine = _engine(world)
+    train(engine, rank, world, 0, 1)
+    engine.save_checkpoint(save_dir, tag="good")
+    return full_state(engine)
+
+
+@pytest.mark.parametrize("victim,where", [(1, "shard"), (0, "commit")])
+def test_sigkill_during_a_save_leaves_the_previous_tag_loadable(tmp_path, victim, where):
+    save_dir = str(tmp_path / "run")
+    # Either the harness sees the victim die first, or a peer reports it gone (rank 0 hosts the store).
+    died = rf"--- rank {victim} ---\nprocess died with exit code -9|rank 0 has died"
+    with pytest.raises(DistributedTestError, match=died):
+        run_distributed(save_twice_dying_in_the_second, 2, save_dir, victim, where)
+    with open(os.path.join(save_dir, "latest")) as f:
+        assert f.read().strip() == "good"
+    assert not os.path.exists(os.path.join(save_dir, "doomed"))  # never renamed into place
+    path, steps, _ = run_distributed(load_world1, 1, save_dir)[0]
+    assert path == os.path.join(save_dir, "good") and steps == 1
+
+
+def test_truncated_or_corrupted_shard_is_refused_by_name(tmp_path):
+    save_dir = str(tmp_path / "run")
+    run_distributed(save_and_report, 2, save_dir)
+    shard = os.path.join(save_dir, "good", "shard_00001.pt")
+    original = open(shard, "rb").read()
+    with open(shard, "wb") as f:
+        f.write(original[: len(original) // 2])
+    with pytest.raises(DistributedTestError, match=r"shard_00001\.pt is \d+ bytes.*truncated"):
+        run_distributed(load_world1, 1, save_dir)
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    with open(shard, "wb") as f:
+        f.write(bytes(damaged))
+    with pytest.raises(DistributedTestError, match=r"shard_00001\.pt fails its sha256 checksum"):
+        run_distributed(load_world1, 1, save_dir)
+
+
+def test_an_incomplete_tag_is_named(tmp_path):
+    save_dir = str(tmp_path / "run")
+    run_distributed(save_and_report, 2, save_dir)
+    os.remove(os.path.join(save_dir, "good", "manifest.json"))
+    with pytest.raises(DistributedTestError, match="incomplete.*manifest.json"):
+        run_distributed(load_world1, 1, save_dir)
+
+
+def fail_on_rank1(rank, world, save_dir):
+    engine = _engine(world)
+    train(engine, rank, world, 0, 1)
+    engine.save_checkpoint(save_dir, tag="good")
+    if rank == 1:
+        def disk_full(obj, path):
+            raise OSError(28, "No space left on device")
+
+        save_module.save_tensors = disk_full
+    try:
+        engine.save_checkpoint(save_dir, tag="bad")
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_a_rank_failing_to_write_fails_the_save_on_every_rank(tmp_path):
+    save_dir = str(tmp_path / "run")
+    messages = run_distributed(fail_on_rank1, 2, save_dir)
+    for message in messages:
+        assert message is not None and "rank(s) [1]" in message and "No space left" in message
+    assert open(os.path.join(save_dir, "latest")).read().strip() == "good"
+    assert sorted(os.listdir(save_dir)) == ["good", "latest"]  # the staging directory is gone too
+
+
+def save_on_rank0_only(rank, world, save_dir):
+    os.environ["ZEROENGINE_HANDSHAKE_TIMEOUT"] = "3"
+    engine = _engine(world)
+    if rank != 0:
+        time.sleep(6)  # busy elsewhere, never calling save
+        return None
+    started = time.monotonic()
+    try:
+        engine.save_checkpoint(save_dir)
+    except CheckpointError as err:
+        return str(err), time.monotonic() - started
+    return "saved", 0.0
+
+
+def test_save_called_on_rank0_only_fails_clearly_instead_of_hanging(tmp_path):
+    message, waited = run_distributed(save_on_rank0_only, 2, str(tmp_path / "run"))[0]
+    assert "every rank must call it" in message and "rank(s) [1]" in message and "if rank == 0" in message
+    assert waited < 30
+    assert not os.path.exists(tmp_path / "run" / "latest")
+
+
+def bad_client_state(rank, world, save_dir):
+    engine = _engine(world)
+    try:
+        engine.save_checkpoint(save_dir, client_state={"ok": [1, 2.0], "sampler": object()})
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_client_state_must_be_plain_data(tmp_path):
+    for message in run_distributed(bad_client_state, 2, str(tmp_path / "run")):
+        assert "client_state['sampler'] is a builtins.object" in message
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/zeroengine_pwned",))
+
+
+def test_a_checkpoint_that_carries_code_is_refused(tmp_path):
+    save_dir = str(tmp_path / "run")
+    run_distributed(save_and_report, 1, save_dir)
+    common = os.path.join(save_dir, "good", "common.pt")
+    torch.save({"client_state": Payload()}, common)
+    manifest_path = os.path.join(save_dir, "good", "manifest.json")
+    manifest = json.load(open(manifest_path))
+    from zeroengine.checkpoint.files import sha256_of
+    manifest["files"]["common.pt"] = {"sha256": sha256_of(common), "bytes": os.path.getsize(common)}
+    json.dump(manifest, open(manifest_path, "w"))
+    with pytest.raises(DistributedTestError, match=r"cannot read checkpoint file .*common\.pt"):
+        run_distributed(load_world1, 1, save_dir)
+    assert not os.path.exists("/tmp/zeroengine_pwned")
+
+
+def load_missing(rank, world, load_dir):
+    return _engine(world).load_checkpoint(load_dir)
+
+
+def test_loading_where_nothing_was_saved_returns_none(tmp_path):
+    assert run_distributed(load_missing, 1, str(tmp_path)) == [(None, None)]
+
+
+def resave_same_tag(rank, world, save_dir):
+    engine = _engine(world)
+    train(engine, rank, world, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t")
+    train(engine, rank, world, 1, 1)
+    engine.save_checkpoint(save_dir, tag="t")
+    return full_state(engine)
+
+
+def test_saving_again_under_a_tag_replaces_it_whole(tmp_path):
+    save_dir = str(tmp_path / "run")
+    latest_state = run_distributed(resave_same_tag, 2, save_dir)[0]
+    _, steps, loaded = run_distributed(load_world1, 1, save_dir)[0]
+    assert steps == 2 and all(torch.equal(loaded[k], v) for k, v in latest_state.items())
+    assert sorted(os.listdir(save_dir)) == ["latest", "t"]

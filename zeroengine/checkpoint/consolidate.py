@@ -1,0 +1,109 @@
+"""One plain state_dict from a sharded checkpoint, with no process group (``ze_to_fp32``).
+
+Shard files are memory-mapped, so assembling the output costs one model's
+worth of memory (the result), not two: the inputs stay in the page cache.
+The result loads with plain ``torch.load`` + ``module.load_state_dict``,
+tied parameters included (each of their names maps to the same tensor).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from . import manifest as mf
+from .files import CheckpointError, load_tensors, save_tensors
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
+                                             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The full model state_dict: parameters from their fp32 master values (cast to ``dtype``), buffers as saved.
+
+    ``checkpoint_dir`` is the ``save_dir`` given to ``save_checkpoint`` (the tag comes from ``latest`` unless
+    given) or a tag directory itself.
+    """
+    manifest = mf.Manifest.read(_tag_dir(checkpoint_dir, tag))
+    files: dict[str, dict] = {}
+
+    def opened(file: str) -> dict:
+        if file not in files:
+            files[file] = load_tensors(manifest.verify_file(file))
+        return files[file]
+
+    out: dict[str, torch.Tensor] = {}
+    for name, info in manifest.params.items():
+        numel = 1
+        for n in info["shape"]:
+            numel *= n
+        flat = torch.empty(numel, dtype=dtype)
+        for e in manifest.entries_overlapping(name, 0, numel):
+            flat[e.start:e.end] = opened(e.file)["entries"][e.index]["value"]
+        out[name] = flat.view(info["shape"])
+    extras = opened(mf.COMMON)["module_extras"]
+    for name, value in extras.items():
+        out[name] = value.to(dtype) if value.is_floating_point() else value.clone()
+    for alias, name in manifest.data.get("aliases", {}).items():
+        out[alias] = out[name]
+    return out
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,
+                                               dtype: torch.dtype = torch.float32) -> str:
+    """Write :func:`get_fp32_state_dict_from_zero_checkpoint`'s result to ``output_file`` (atomically)."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, dtype)
+    parent = os.path.dirname(os.path.abspath(output_file))
+    os.makedirs(parent, exist_ok=True)
+    save_tensors(state, output_file)
+    return output_file
+
+
+def convert_zero_checkpoint_to_16bit_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,
+                                                dtype: torch.dtype = torch.bfloat16) -> str:
+    """The same, for inference in 16 bits (floating tensors cast to ``dtype``)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    return convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag, dtype)
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None):
+    """Load the consolidated fp32 weights into a plain (unwrapped) ``model``; returns the model."""
+    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag))
+    return model
+
+
+def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
+    if tag is None and os.path.exists(os.path.join(checkpoint_dir, mf.MANIFEST)):
+        return checkpoint_dir
+    tag_dir = mf.resolve_tag_dir(checkpoint_dir, tag)
+    if tag_dir is None:
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file and no {mf.MANIFEST}: pass --tag, or the "
+                              "directory save_checkpoint wrote to")
+    return tag_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ze_to_fp32",
+        description="Consolidate a zeroengine checkpoint (any world size, any ZeRO stage) into one fp32 "
+                    "state_dict file loadable with torch.load + module.load_state_dict.")
+    parser.add_argument("checkpoint_dir", help="the save_dir given to save_checkpoint, or one tag directory")
+    parser.add_argument("output_file", help="where to write the state_dict (torch.save format)")
+    parser.add_argument("--tag", default=None, help="the tag to convert (default: the one 'latest' names)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="dtype of the floating-point tensors written (default fp32)")
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag, dtype)
+    except CheckpointError as err:
+        print(f"ze_to_fp32: {err}", file=sys.stderr)
+        return 1
+    size = os.path.getsize(args.output_file)
+    print(f"ze_to_fp32: wrote {args.output_file} ({size / 2**20:.1f} MiB, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

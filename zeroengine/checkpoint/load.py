@@ -1,0 +1,189 @@
+"""``engine.load_checkpoint``: any tag, written by any world size and ZeRO stage, into this engine.
+
+Each rank asks the manifest which files hold the (parameter, range) pieces it
+owns in *its* layout and copies just those ranges, so resharding is a by-product
+of addressing values by name and range. Loading happens in two phases: first
+every rank checks everything it will read (the manifest, names and shapes,
+checksums of the files it needs) with no collective in flight; the ranks agree
+that all succeeded; only then are values written and parameters refreshed
+(collectives). A bad file therefore fails every rank with the same named
+error, and never leaves some ranks waiting in a collective.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from zeroengine import comm
+from zeroengine.progress import get_logger
+from zeroengine.zero.gathered import GatheredParameters
+
+from . import manifest as mf
+from .files import CheckpointError, load_tensors
+from .save import _full_shape
+from .state import parameter_names, restore_rng
+
+
+def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Returns ``(tag_dir, client_state)``, or ``(None, None)`` when ``load_dir`` holds no checkpoint."""
+    rank = comm.get_rank()
+    plan, problem = None, None
+    try:
+        plan = _Plan(engine, load_dir, tag)
+    except CheckpointError as err:
+        problem = str(err)
+    if plan is not None and plan.tag_dir is None and problem is None:
+        if rank == 0:
+            get_logger().warning(f"no checkpoint to load in {load_dir} (no 'latest' file there, and no tag given)")
+    reports = _agree(problem)
+    failed = {r: msg for r, msg in enumerate(reports) if msg}
+    if failed:
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
+        raise CheckpointError(f"cannot load the checkpoint from {load_dir}; nothing was changed:\n{lines}")
+    if plan.tag_dir is None:
+        return None, None
+
+    common = plan.common
+    optimizer_states = load_optimizer_states and not load_module_only
+    plan.apply_pieces(optimizer_states)
+    _load_module_extras(engine, common["module_extras"])
+    if not load_module_only:
+        _load_training_state(engine, common, optimizer_states, load_lr_scheduler_states)
+        plan.restore_rng()
+    if rank == 0:
+        get_logger().info(f"loaded checkpoint {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
+                          f"rank(s) at ZeRO stage {plan.manifest.data['zero_stage']})")
+    return plan.tag_dir, common["client_state"]
+
+
+def _agree(problem: str | None) -> list[str | None]:
+    try:
+        raw = comm.handshakes.exchange("load_checkpoint", json.dumps(problem).encode())
+    except comm.HandshakeTimeout as err:
+        raise CheckpointError(f"load_checkpoint is collective: every rank must call it, but rank(s) "
+                              f"{err.missing} did not reach it in time ({err})") from None
+    return [json.loads(r) for r in raw]
+
+
+class _Plan:
+    """Everything this rank will read, checked before anything is written."""
+
+    def __init__(self, engine, load_dir: str, tag):
+        self.engine = engine
+        self.tag_dir = mf.resolve_tag_dir(load_dir, tag)
+        if self.tag_dir is None:
+            return
+        self.manifest = mf.Manifest.read(self.tag_dir)
+        self.names = parameter_names(engine.module)
+        self.pieces = engine.optimizer.checkpoint_pieces()
+        self._check_params()
+        needed = {mf.COMMON}
+        if os.path.exists(self.manifest.path(mf.shard_file(comm.get_rank()))):
+            needed.add(mf.shard_file(comm.get_rank()))
+        for piece in self.pieces:
+            for entry in self.manifest.entries_overlapping(self.names[id(piece.param)], piece.start, piece.end):
+                needed.add(entry.file)
+        self.files = {}
+        for file in sorted(needed):
+            if file not in self.manifest.data["files"]:
+                if file == mf.COMMON:
+                    raise CheckpointError(f"{self.tag_dir}: the manifest does not list {mf.COMMON}")
+                continue
+            self.files[file] = load_tensors(self.manifest.verify_file(file))
+        self.common = self.files[mf.COMMON]
+
+    def _check_params(self) -> None:
+        saved = self.manifest.params
+        mine = {self.names[id(p)]: _full_shape(p) for p in self.engine.optimizer.checkpoint_params()}
+        missing = sorted(set(mine) - set(saved))
+        if missing:
+            raise CheckpointError(f"checkpoint {self.tag_dir} has no values for parameter(s) {missing[:8]}"
+                                  f"{' ...' if len(missing) > 8 else ''} of this model")
+        for name, shape in mine.items():
+            if list(shape) != saved[name]["shape"]:
+                raise CheckpointError(f"parameter {name!r} has shape {list(shape)} in this model but "
+                                      f"{saved[name]['shape']} in checkpoint {self.tag_dir}")
+
+    @torch.no_grad()
+    def apply_pieces(self, with_optimizer_state: bool) -> None:
+        state = self.engine.optimizer.state
+        if with_optimizer_state:
+            state.clear()
+        for piece in self.pieces:
+            name = self.names[id(piece.param)]
+            entries = self.manifest.entries_overlapping(name, piece.start, piece.end)
+            value = torch.empty(piece.end - piece.start, dtype=torch.float32)
+            moments: dict[str, torch.Tensor] = {}
+            scalars: dict = {}
+            for e in entries:
+                src = self.files[e.file]["entries"][e.index]
+                lo, hi = max(piece.start, e.start), min(piece.end, e.end)
+                value[lo - piece.start:hi - piece.start] = src["value"][lo - e.start:hi - e.start]
+                for key, v in src["state"].items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        dst = moments.setdefault(key, torch.empty(piece.end - piece.start, dtype=v.dtype))
+                        dst[lo - piece.start:hi - piece.start] = v[lo - e.start:hi - e.start]
+                    else:
+                        scalars.setdefault(key, v)
+            piece.value.copy_(value.view(piece.value.shape))
+            if with_optimizer_state and (moments or scalars):
+                if any(not self.files[e.file]["entries"][e.index]["state"] for e in entries):
+                    raise CheckpointError(f"checkpoint {self.tag_dir} has optimizer state for only part of "
+                                          f"parameter {name!r}")
+                state[piece.opt_param] = self._optimizer_state(piece, moments, scalars)
+        self.engine.optimizer.after_checkpoint_load()
+
+    def _optimizer_state(self, piece, moments: dict, scalars: dict) -> dict:
+        target = piece.opt_param
+        group = next(g for g in self.engine.optimizer.param_groups if any(p is target for p in g["params"]))
+        on_device = group.get("fused") or group.get("capturable")
+        out = {key: m.to(device=target.device).view(target.shape) for key, m in moments.items()}
+        for key, v in scalars.items():
+            # torch.optim keeps "step" on the CPU unless the step runs fused/captured on the device.
+            out[key] = v.clone().to(target.device if on_device else "cpu") if isinstance(v, torch.Tensor) else v
+        return out
+
+    def restore_rng(self) -> None:
+        own = self.files.get(mf.shard_file(comm.get_rank()))
+        if own is not None and "rng" in own:
+            restore_rng(own["rng"])
+
+
+@torch.no_grad()
+def _load_module_extras(engine, extras: dict) -> None:
+    targets = engine.module.state_dict(keep_vars=True)
+    unknown = sorted(set(extras) - set(targets))
+    if unknown:
+        raise CheckpointError(f"the checkpoint has module entries {unknown[:8]} this model does not have")
+    params = [targets[name] for name in extras if isinstance(targets[name], torch.nn.Parameter)]
+    with GatheredParameters(params, modifier_rank=0):
+        for name, value in extras.items():
+            target = targets[name]
+            if tuple(target.shape) != tuple(value.shape):
+                raise CheckpointError(f"module entry {name!r} has shape {tuple(target.shape)} in this model but "
+                                      f"{tuple(value.shape)} in the checkpoint")
+            target.data.copy_(value)
+
+
+def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler_states: bool) -> None:
+    counters = common["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.micro_steps = counters["micro_steps"]
+    engine.skipped_steps = counters["skipped_steps"]
+    groups = engine.optimizer.param_groups
+    if optimizer_states:
+        saved = common["param_groups"]
+        if len(saved) != len(groups):
+            raise CheckpointError(f"the checkpoint has {len(saved)} optimizer param groups, this optimizer "
+                                  f"{len(groups)}")
+        for group, values in zip(groups, saved):
+            group.update(values)
+    scaler = engine.optimizer.loss_scaler
+    if scaler is not None and common["loss_scaler"] is not None:
+        scaler.load_state_dict(common["loss_scaler"])
+    if scheduler_states and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(common["lr_scheduler"])

@@ -1,0 +1,141 @@
+"""The checkpoint directory and its manifest: what a complete tag is, and where each value lives.
+
+    save_dir/
+      latest                  the newest complete tag (written last)
+      <tag>/manifest.json     written once every rank's files are in place: a tag without it is incomplete
+      <tag>/common.pt         counters, scheduler, loss scaler, param groups, buffers, client_state
+      <tag>/shard_00000.pt    rank 0's slices: fp32 values and optimizer state by (parameter name, flat range)
+      ...
+
+A tag is written in a staging directory and renamed into place when complete,
+so saving again under an existing tag never leaves a half-old, half-new one.
+Values are addressed by parameter name and a range of the flattened parameter,
+never by rank, which is what lets any world size and ZeRO stage read them.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from dataclasses import dataclass, field
+
+from .files import CheckpointError, load_json, verify
+
+FORMAT = "zeroengine-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+COMMON = "common.pt"
+LATEST = "latest"
+_TAG = re.compile(r"^[A-Za-z0-9_.+=-][A-Za-z0-9_.+=@-]*$")
+
+
+def shard_file(rank: int) -> str:
+    return f"shard_{rank:05d}.pt"
+
+
+def staging_dir(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, f".staging-{tag}")
+
+
+def replaced_dir(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, f".replaced-{tag}")
+
+
+def check_tag(tag: str) -> str:
+    tag = str(tag)
+    if not _TAG.match(tag) or tag in (".", ".."):
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name "
+                              "(letters, digits, '_', '-', '.', '+', '=', '@'; no path separators)")
+    return tag
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Elements [start, end) of the flattened parameter ``name`` are in ``file`` (entry ``index`` there)."""
+
+    start: int
+    end: int
+    file: str
+    index: int
+
+
+@dataclass
+class Manifest:
+    tag_dir: str
+    data: dict
+    _entries: dict[str, list[Entry]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, tag_dir: str) -> "Manifest":
+        path = os.path.join(tag_dir, MANIFEST)
+        if not os.path.isdir(tag_dir):
+            raise CheckpointError(f"checkpoint directory {tag_dir} does not exist")
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {MANIFEST}): the save that wrote it "
+                                  "did not finish; load another tag")
+        data = load_json(path)
+        if data.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a zeroengine checkpoint manifest")
+        if data.get("version", 0) > VERSION:
+            raise CheckpointError(f"{path} has format version {data['version']}; this zeroengine reads up to "
+                                  f"{VERSION}: upgrade zeroengine")
+        manifest = cls(tag_dir, data)
+        for file, info in data["files"].items():
+            for i, (name, start, end) in enumerate(info.get("entries", [])):
+                manifest._entries.setdefault(name, []).append(Entry(start, end, file, i))
+        for entries in manifest._entries.values():
+            entries.sort(key=lambda e: e.start)
+        return manifest
+
+    @property
+    def params(self) -> dict:
+        return self.data["params"]
+
+    def path(self, file: str) -> str:
+        return os.path.join(self.tag_dir, file)
+
+    def verify_file(self, file: str) -> str:
+        path = self.path(file)
+        verify(path, self.data["files"][file])
+        return path
+
+    def entries_overlapping(self, name: str, start: int, end: int) -> list[Entry]:
+        """The entries covering [start, end) of ``name``; an error if any element is missing."""
+        entries = self._entries.get(name, [])
+        i = max(bisect.bisect_right([e.start for e in entries], start) - 1, 0)
+        found, covered = [], start
+        for e in entries[i:]:
+            if e.start >= end:
+                break
+            if e.end <= covered:
+                continue
+            if e.start > covered:
+                break
+            found.append(e)
+            covered = e.end
+        if covered < end:
+            raise CheckpointError(f"checkpoint {self.tag_dir} lacks elements [{covered}, {end}) of parameter "
+                                  f"{name!r}: a shard file is missing from its manifest")
+        return found
+
+
+def read_latest(save_dir: str) -> str | None:
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def resolve_tag_dir(load_dir: str, tag: str | None) -> str | None:
+    """The directory of ``tag`` (or of the tag ``latest`` names); None when there is no checkpoint at all."""
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None
+    tag = check_tag(tag)
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(tag_dir) and os.path.exists(os.path.join(replaced_dir(load_dir, tag), MANIFEST)):
+        # A save under an existing tag was interrupted between its two renames: the old copy is whole.
+        return replaced_dir(load_dir, tag)
+    return tag_dir

@@ -1,0 +1,47 @@
+"""``engine.save_16bit_model``: the live model, gathered, as one plain 16-bit (or fp32) state_dict file."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zeroengine import comm
+from zeroengine.progress import get_logger
+from zeroengine.zero.gathered import GatheredParameters, is_partitioned
+
+from .files import save_tensors
+
+
+def gathered_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The module's full state_dict on rank 0 (None elsewhere); stage-3 parameters are gathered
+    one module at a time, so no rank ever holds more than one module's full parameters beyond the result."""
+    out: dict[str, torch.Tensor] = {}
+    rank0 = comm.get_rank() == 0
+    for prefix, sub in module.named_modules():
+        own = list(sub.parameters(recurse=False))
+        with GatheredParameters(own):
+            if rank0:
+                for name, t in sub.named_parameters(recurse=False):
+                    out[f"{prefix}.{name}" if prefix else name] = t.detach().clone()
+    if not rank0:
+        return None
+    # Tied parameters appear under each module that registers them; what is left are buffers.
+    full = module.state_dict()
+    return {name: out[name] if name in out else value.detach().clone() for name, value in full.items()}
+
+
+def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    partitioned = any(is_partitioned(p) for p in engine.module.parameters())
+    if partitioned and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if comm.get_rank() == 0:
+            get_logger().warning(
+                "save_16bit_model did not save the model: at ZeRO stage 3 it needs "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save=true (or consolidate a checkpoint "
+                "with ze_to_fp32 --dtype bf16)")
+        return False
+    state = gathered_state_dict(engine.module)
+    if comm.get_rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        save_tensors(state, os.path.join(save_dir, save_filename))
+    comm.barrier()
+    return True

@@ -1,0 +1,216 @@
+"""``engine.save_checkpoint``: every rank writes its slices; the tag counts only once all have.
+
+The protocol (Note: crash-safe, collective-safe saves):
+
+1. *arrive*: every rank posts the tag it is saving (and any client_state
+   error) through a store handshake with a deadline, so a save called on
+   rank 0 only fails with a message naming the missing ranks instead of
+   hanging, and all ranks agree on the tag and a staging directory;
+2. *write*: each rank writes ``shard_<rank>.pt`` (its fp32 values and
+   optimizer state by parameter name and flat range, its RNG state) into the
+   staging directory, rank 0 also ``common.pt``; every file atomically;
+3. *report*: every rank posts its files' checksums, or its error;
+4. *commit* (rank 0, only if every rank reported success): the manifest is
+   written, the staging directory renamed to the tag, then ``latest`` updated.
+   Any failure before that leaves ``latest`` and the previous tags untouched.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import time
+import uuid
+
+import torch
+
+from zeroengine import comm
+from zeroengine.progress import get_logger
+from zeroengine.zero.gathered import GatheredParameters
+
+from . import manifest as mf
+from .files import CheckpointError, fsync_dir, save_json, save_tensors, save_text
+from .state import capture_rng, check_plain, parameter_aliases, parameter_names
+
+
+def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
+    """Write a checkpoint of ``engine`` under ``save_dir/tag``; every rank must call it. Returns the tag dir."""
+    rank = comm.get_rank()
+    tag = mf.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
+    problem = None
+    try:
+        check_plain(client_state if client_state is not None else {})
+    except CheckpointError as err:
+        problem = str(err)
+    arrival = _exchange("save_checkpoint", {"tag": tag, "nonce": uuid.uuid4().hex[:12], "error": problem})
+    _raise_if_failed(arrival, "save_checkpoint")
+    tag = _agreed_tag(engine, arrival)
+    staging = mf.staging_dir(save_dir, tag) + "-" + arrival[0]["nonce"]
+
+    report = {"files": {}, "params": {}, "error": None}
+    module_extras = _module_extras(engine)  # collective under stage 3: before any rank can fail alone
+    try:
+        os.makedirs(staging, exist_ok=True)
+        report["files"].update(_write_shard(engine, staging, rank))
+        report["params"] = _param_table(engine)
+        if rank == 0:
+            report["files"][mf.COMMON] = save_tensors(_common_state(engine, module_extras, client_state), 
+                                                      os.path.join(staging, mf.COMMON))
+    except Exception as err:  # noqa: BLE001 - reported to every rank, then re-raised below
+        report["error"] = f"{type(err).__name__}: {err}"
+    reports = _exchange("save_checkpoint/report", report)
+    failed = {r: rep["error"] for r, rep in enumerate(reports) if rep["error"]}
+
+    outcome = {"error": None}
+    if rank == 0:
+        try:
+            if failed:
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                _commit(engine, save_dir, tag, staging, reports, save_latest)
+        except Exception as err:  # noqa: BLE001
+            outcome["error"] = f"{type(err).__name__}: {err}"
+    outcome = _exchange("save_checkpoint/commit", outcome if rank == 0 else {"error": None})[0]
+    if failed:
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
+        raise CheckpointError(f"checkpoint {tag!r} was not saved (latest still names the previous one); "
+                              f"writing failed on rank(s) {sorted(failed)}:\n{lines}")
+    if outcome["error"]:
+        raise CheckpointError(f"checkpoint {tag!r} was not committed by rank 0: {outcome['error']}")
+    tag_dir = os.path.join(save_dir, tag)
+    if rank == 0:
+        get_logger().info(f"saved checkpoint {tag_dir}")
+    return tag_dir
+
+
+def _exchange(name: str, payload: dict) -> list[dict]:
+    try:
+        raw = comm.handshakes.exchange(name, json.dumps(payload).encode())
+    except comm.HandshakeTimeout as err:
+        raise CheckpointError(
+            f"{name.split('/')[0]} is collective: every rank must call it, but rank(s) {err.missing} did not "
+            f"reach it in time ({err}). Call engine.save_checkpoint on all ranks, not under `if rank == 0:` "
+            "(only rank 0 writes the shared files anyway)") from None
+    return [json.loads(r) for r in raw]
+
+
+def _raise_if_failed(payloads: list[dict], what: str) -> None:
+    failed = {r: p["error"] for r, p in enumerate(payloads) if p.get("error")}
+    if failed:
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
+        raise CheckpointError(f"{what} refused on rank(s) {sorted(failed)}:\n{lines}")
+
+
+def _agreed_tag(engine, arrival: list[dict]) -> str:
+    tags = {p["tag"] for p in arrival}
+    if len(tags) == 1:
+        return arrival[0]["tag"]
+    by_rank = ", ".join(f"rank {r}: {p['tag']!r}" for r, p in enumerate(arrival))
+    mode = engine.config.checkpoint.tag_validation
+    if mode == "Fail":
+        raise CheckpointError(f"ranks are saving under different tags ({by_rank}); checkpoint.tag_validation "
+                              "is 'Fail'")
+    if mode == "Warn" and comm.get_rank() == 0:
+        get_logger().warning(f"ranks are saving under different tags ({by_rank}); using rank 0's")
+    return arrival[0]["tag"]
+
+
+def _write_shard(engine, staging: str, rank: int) -> dict:
+    """This rank's slices: every piece it owns (stage 0: one replica writes), with its optimizer state."""
+    names = parameter_names(engine.module)
+    state = engine.optimizer.state
+    entries, index = [], []
+    for piece in engine.optimizer.checkpoint_pieces():
+        if piece.replicated and comm.get_rank_in(piece.group) != 0:
+            continue
+        value = piece.value.detach().reshape(-1)
+        if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+            value = value.clone()  # a view into a larger flat buffer: torch.save would write all of it
+        opt_state = {k: (v.detach().reshape(-1) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                     for k, v in state.get(piece.opt_param, {}).items()}
+        entries.append({"value": value.float() if value.dtype != torch.float32 else value, "state": opt_state})
+        index.append([names[id(piece.param)], piece.start, piece.end])
+    name = mf.shard_file(rank)
+    info = save_tensors({"rank": rank, "rng": capture_rng(), "entries": entries}, os.path.join(staging, name))
+    return {name: {**info, "rank": rank, "entries": index}}
+
+
+def _module_extras(engine) -> dict[str, torch.Tensor]:
+    """Buffers and parameters the optimizer does not hold (frozen ones), full, by state_dict name (rank 0)."""
+    managed = {id(p) for p in engine.optimizer.checkpoint_params()}
+    named = engine.module.state_dict(keep_vars=True)
+    extras = {name: t for name, t in named.items() if id(t) not in managed}
+    params = [t for t in extras.values() if isinstance(t, torch.nn.Parameter)]
+    with GatheredParameters(params):
+        if comm.get_rank() != 0:
+            return {}
+        return {name: t.detach().clone() for name, t in extras.items()}
+
+
+def _common_state(engine, module_extras, client_state) -> dict:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    scaler = engine.optimizer.loss_scaler
+    return {
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+        "param_groups": groups,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None
+        and hasattr(engine.lr_scheduler, "state_dict") else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "module_extras": module_extras,
+        "client_state": client_state if client_state is not None else {},
+    }
+
+
+def _param_table(engine) -> dict:
+    """Name -> full shape and param-group index of the parameters this rank knows (merged over ranks)."""
+    names = parameter_names(engine.module)
+    group_of = {id(p): i for i, g in enumerate(engine.optimizer.param_groups) for p in g["params"]}
+    groups = {}
+    for piece in engine.optimizer.checkpoint_pieces():
+        groups.setdefault(names[id(piece.param)], group_of.get(id(piece.opt_param)))
+    return {names[id(p)]: {"shape": list(_full_shape(p)), "group": groups.get(names[id(p)])}
+            for p in engine.optimizer.checkpoint_params()}
+
+
+def _full_shape(param) -> torch.Size:
+    from zeroengine.zero.gathered import _lookup
+
+    entry = _lookup(param)
+    if entry is None:
+        return param.shape
+    buffer, _, _, index = entry
+    return buffer.full_shape(index)
+
+
+def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool) -> None:
+    files, params = {}, {}
+    for report in reports:
+        files.update(report["files"])
+        for name, info in report["params"].items():
+            known = params.setdefault(name, info)
+            if known["group"] is None:
+                known["group"] = info["group"]
+    names = parameter_names(engine.module)
+    data = {
+        "format": mf.FORMAT, "version": mf.VERSION, "tag": tag, "created": time.time(),
+        "world_size": comm.get_world_size(), "zero_stage": engine.zero_stage,
+        "dtype": str(engine.policy.param_dtype).replace("torch.", ""),
+        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "params": params, "aliases": parameter_aliases(engine.module, names), "files": files,
+    }
+    save_json(data, os.path.join(staging, mf.MANIFEST))
+    fsync_dir(staging)
+    final = os.path.join(save_dir, tag)
+    old = mf.replaced_dir(save_dir, tag)
+    if os.path.isdir(final):  # saving again under an existing tag: swap, never overwrite in place
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    fsync_dir(save_dir)
+    if save_latest:
+        save_text(tag + "\n", os.path.join(save_dir, mf.LATEST))
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in glob.glob(mf.staging_dir(save_dir, tag) + "-*"):  # left by saves that crashed
+        shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""What a checkpoint records besides tensors: parameter names, RNG states, client_state rules."""
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+
+from .files import CheckpointError
+
+
+def parameter_names(module: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name (the first one, for a parameter shared under several names)."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    try:  # expert parameters on different expert-parallel ranks share local names: use global ones
+        from zeroengine.moe import expert_checkpoint_names
+    except ImportError:
+        return names
+    renamed = expert_checkpoint_names(module)
+    by_local = {name: pid for pid, name in names.items()}
+    for local, global_name in renamed.items():
+        if local in by_local:
+            names[by_local[local]] = global_name
+    return names
+
+
+def parameter_aliases(module: torch.nn.Module, names: dict[int, str]) -> dict[str, str]:
+    """Every further name of a shared (tied) parameter -> the name its values are stored under."""
+    return {name: names[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
+            if names[id(p)] != name}
+
+
+# -- RNG ----------------------------------------------------------------------
+def capture_rng() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": _plain(random.getstate())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:  # only when the user's code uses numpy; never imported here for nothing
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        for device, rng in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(rng, device)
+    if "numpy" in state and "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def _plain(value):
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+# -- client_state ---------------------------------------------------------------
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.Size, torch.dtype)
+
+
+def check_plain(value, path: str = "client_state"):
+    """Refuse anything ``torch.load(weights_only=True)`` could not read back: the checkpoint must stay data."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise CheckpointError(f"{path} has a key of type {type(key).__name__}; keys must be plain "
+                                      "(str, int, float, bool, None)")
+            check_plain(item, f"{path}[{key!r}]")
+        return value
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{path}[{i}]")
+        return value
+    hint = " (save its state_dict() or vars() instead)" if hasattr(value, "state_dict") or hasattr(value, "__dict__") \
+        else ""
+    raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__name__}: a checkpoint holds only "
+                          f"plain types (dict, list, tuple, str, int, float, bool, None) and tensors, so that "
+                          f"loading it cannot run code{hint}")

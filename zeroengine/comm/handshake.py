@@ -1,0 +1,73 @@
+"""Agreement among ranks through the process group's key-value store, with a deadline.
+
+A collective that one rank never joins hangs the others until the backend's
+timeout, with no word on who is missing. Operations that users call by hand
+and commonly call on one rank only by mistake (``save_checkpoint`` under
+``if rank == 0:``) first meet here: every rank posts a small payload under
+the operation's name and waits, with a deadline, for every peer's. A peer
+that never arrives turns into a :class:`HandshakeTimeout` naming it, and each
+rank gets every peer's payload (the tag it is saving, whether its shard was
+written, ...) without any collective that could itself hang.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class HandshakeTimeout(RuntimeError):
+    """Some ranks did not reach the same handshake within the deadline."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+def default_timeout_s() -> float:
+    """``ZEROENGINE_HANDSHAKE_TIMEOUT`` seconds, else the collective timeout (``ZEROENGINE_COMM_TIMEOUT``, 600)."""
+    for var in ("ZEROENGINE_HANDSHAKE_TIMEOUT", "ZEROENGINE_COMM_TIMEOUT"):
+        if os.environ.get(var):
+            return float(os.environ[var])
+    return 600.0
+
+
+class Handshakes:
+    """Per-process numbering of handshakes, so the k-th call of an operation meets the peers' k-th."""
+
+    def __init__(self):
+        self._count: dict[str, int] = {}
+
+    def exchange(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
+        """Post ``payload`` and return every rank's, in rank order (the whole world takes part)."""
+        seq = self._count.get(name, 0)
+        self._count[name] = seq + 1
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world == 1:
+            return [payload]
+        store = _store()
+        prefix = f"ze_hs/{name}/{seq}"
+        store.set(f"{prefix}/{rank}", payload)
+        keys = [f"{prefix}/{r}" for r in range(world)]
+        timeout = default_timeout_s() if timeout_s is None else timeout_s
+        try:
+            store.wait(keys, timedelta(seconds=timeout))
+            return [store.get(k) for k in keys]
+        except dist.DistNetworkError:
+            raise HandshakeTimeout(f"rank {rank} lost the connection to the store (hosted by rank 0) during "
+                                   f"'{name}': rank 0 has died", [0]) from None
+        except Exception:  # the store raises a plain RuntimeError/DistStoreError on timeout
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            raise HandshakeTimeout(
+                f"rank {rank} waited {timeout:.0f}s for '{name}' but rank(s) {missing} never called it", missing
+            ) from None
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+handshakes = Handshakes()
