@@ -1,0 +1,16 @@
+"""Process-group creation (the sub-groups features such as expert parallelism need)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def new_group(ranks: list[int], backend: str | None = None):
+    """A process group over ``ranks`` (world ranks).
+
+    Collective over the whole world: every rank must call it, in the same
+    order and with the same ``ranks``, including ranks that are not members
+    (torch.distributed's rule). Returns the group (a non-member gets a handle
+    it must not use).
+    """
+    return dist.new_group(ranks=sorted(ranks), backend=backend)
+

@@ -1,0 +1,23 @@
+"""Mixture of Experts: top-k gates, expert parallelism over all-to-all, fused token permutation.
+
+Public: :class:`MoE` (DESIGN.md), :class:`TopKGate` and :class:`GateOutput` (for
+custom routers), the process groups (:func:`expert_groups`), and what ZeRO and
+checkpoints need about expert parameters (:func:`is_expert_param`,
+:func:`expert_data_parallel_group`, :func:`expert_checkpoint_names`).
+See docs/moe.md.
+"""
+from .gate import GateOutput, TopKGate, capacity_for, load_balancing_loss, router_z_loss
+from .groups import ExpertGroups, expert_groups
+from .layer import MoE
+from .params import (
+    ExpertTag,
+    expert_checkpoint_names,
+    expert_data_parallel_group,
+    expert_groups_of,
+    expert_tag,
+    is_expert_param,
+)
+
+__all__ = ["ExpertGroups", "ExpertTag", "GateOutput", "MoE", "TopKGate", "capacity_for", "expert_checkpoint_names",
+           "expert_data_parallel_group", "expert_groups", "expert_groups_of", "expert_tag", "is_expert_param",
+           "load_balancing_loss", "router_z_loss"]

@@ -1,0 +1,125 @@
+"""Moving tokens to their experts and back: the local and the all-to-all strategy.
+
+Both start from a :class:`DispatchPlan` (the gate's routing as index maps) and
+use the fused permutation ops (:mod:`zeroengine.ops.moe_dispatch`): tokens are
+gathered into expert-contiguous order once, each expert runs on one contiguous
+slice, and outputs are un-permuted and combined with the gate weights in one
+pass. No token-level Python loop, no [tokens, experts, capacity] masks.
+
+The all-to-all strategy adds, between permute and combine: an exchange of
+per-expert counts, an all-to-all of the rows (uneven splits: each rank sends
+exactly the rows its peers' experts serve, so dropless needs no padding), a
+regrouping from source-rank-major to local-expert-major order, and the
+reverse on the way back. Backward runs the same all-to-alls in reverse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeroengine import comm
+from zeroengine.ops.moe_dispatch import permute_tokens, unpermute_combine
+
+from .experts import run_experts
+from .gate import GateOutput
+from .groups import ExpertGroups
+
+
+@dataclass
+class DispatchPlan:
+    """``index [N]``: the token of each expert-ordered row; ``rows [S, k]``: the row of each kept
+    assignment (-1 if dropped); ``weights [S, k]``; ``counts [E]``: rows per expert (host ints)."""
+
+    index: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+    counts: list[int]
+
+    @classmethod
+    def from_gate(cls, gate: GateOutput) -> "DispatchPlan":
+        tokens, k = gate.expert_index.shape
+        kept_flat = gate.kept.t().reshape(-1)
+        # gate.order sorts assignments by expert with the kept ones first in each expert.
+        selected = gate.order[kept_flat[gate.order]]
+        rows_flat = torch.full((tokens * k,), -1, dtype=torch.long, device=selected.device)
+        rows_flat[selected] = torch.arange(selected.numel(), device=selected.device)
+        rows = rows_flat.view(k, tokens).t().contiguous()
+        return cls(selected % tokens, rows, gate.weights, gate.kept_counts.tolist())
+
+
+class LocalDispatch:
+    """Every expert on this rank (``ep_size == 1``)."""
+
+    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts, impl: str = "auto") -> torch.Tensor:
+        permuted = permute_tokens(x, plan.index, plan.rows, impl=impl)
+        y = run_experts(experts, permuted, plan.counts)
+        return unpermute_combine(y, plan.rows, plan.weights, covers_all=True, impl=impl)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to and from the peers of an expert-parallel group; backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits: list[int], recv_splits: list[int], group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        comm.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                               group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        out = grad.new_empty(sum(send_splits), *grad.shape[1:])
+        comm.all_to_all_single(out, grad.contiguous(), output_split_sizes=send_splits,
+                               input_split_sizes=recv_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def _regroup_index(recv: torch.Tensor) -> torch.Tensor:
+    """For rows arriving as ``[source rank][local expert]`` blocks of sizes ``recv [ep, L]``, the
+    permutation that lists them ``[local expert][source rank]`` (each expert's batch contiguous)."""
+    sizes = recv.reshape(-1)
+    starts = (torch.cumsum(sizes, 0) - sizes).view_as(recv)
+    lengths_t, starts_t = recv.t().reshape(-1), starts.t().reshape(-1)
+    total = int(sizes.sum())
+    block_start = torch.repeat_interleave(starts_t, lengths_t, output_size=total)
+    offset_in_block = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths_t, 0) - lengths_t,
+                                                                     lengths_t, output_size=total)
+    return block_start + offset_in_block
+
+
+class AllToAllDispatch:
+    """Experts spread over an expert-parallel group of ``ep_size`` ranks, ``num_local`` each."""
+
+    def __init__(self, groups: ExpertGroups, num_local: int):
+        self.groups = groups
+        self.ep_size = groups.ep_size
+        self.num_local = num_local
+
+    def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts, impl: str = "auto") -> torch.Tensor:
+        ep, local, group = self.ep_size, self.num_local, self.groups.ep_group
+        permuted = permute_tokens(x, plan.index, plan.rows, impl=impl)
+        # Counts travel first so every rank can size its receive buffer (and the uneven splits).
+        send_counts = torch.tensor(plan.counts, dtype=torch.long)
+        recv_counts = torch.empty_like(send_counts)
+        device = comm.device_for_backend()
+        if device.type != "cpu":
+            send_counts, recv_counts = send_counts.to(device), recv_counts.to(device)
+        comm.all_to_all_single(recv_counts, send_counts, group=group)
+        recv = recv_counts.cpu().view(ep, local)  # [source rank, local expert]
+        send_splits = send_counts.cpu().view(ep, local).sum(1).tolist()
+        recv_splits = recv.sum(1).tolist()
+        arrived = _AllToAll.apply(permuted, send_splits, recv_splits, group)
+        if local > 1:
+            order = _regroup_index(recv).to(x.device)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            grouped = permute_tokens(arrived, order, inverse.unsqueeze(1), impl=impl)
+            y = run_experts(experts, grouped, recv.sum(0).tolist())
+            y = permute_tokens(y, inverse, order.unsqueeze(1), impl=impl)
+        else:
+            y = run_experts(experts, arrived, recv.sum(0).tolist())
+        back = _AllToAll.apply(y, recv_splits, send_splits, group)
+        return unpermute_combine(back, plan.rows, plan.weights, covers_all=True, impl=impl)

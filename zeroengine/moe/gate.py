@@ -1,0 +1,179 @@
+"""Routers: which experts each token goes to, with what weight, and what is dropped.
+
+A gate maps ``x [tokens, hidden]`` to a :class:`GateOutput`. :class:`TopKGate`
+is the built-in one (top-1 as in Switch Transformer, top-2 as in GShard); a
+custom router is any module returning a ``GateOutput``, most easily through
+:meth:`GateOutput.from_choices`.
+
+Note: capacity and priority. With ``drop_tokens`` each expert takes at most
+``capacity = max(ceil(k * tokens / num_experts * capacity_factor), min_capacity)``
+assignments (``eval_capacity_factor`` in eval mode), counted over this rank's
+tokens. Assignments queue choice-major: every token's first choice, in token
+order, before any second choice (GShard), so a second choice is dropped before
+any first choice. Without ``drop_tokens`` (dropless) nothing is dropped and
+expert batches vary in size.
+
+Note: routing arithmetic. Logits, softmax, noise, the auxiliary losses and the
+combine weights are computed in fp32 whatever the model's dtype (bf16/fp16
+router logits mis-rank near-ties and underflow the z-loss); the router's weight
+stays in the model's dtype and receives its gradient there.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
+SECOND_EXPERT_POLICIES = ("all", "random")
+JITTER_EPS = 1e-2
+
+
+def capacity_for(tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
+    """Assignments one expert accepts from ``tokens`` tokens (Note: capacity and priority)."""
+    return max(math.ceil(k * tokens / num_experts * capacity_factor), min_capacity)
+
+
+@dataclass
+class GateOutput:
+    """Routing of S tokens to k experts each.
+
+    ``expert_index [S, k]`` global expert ids; ``weights [S, k]`` fp32 combine
+    weights (0 where not kept); ``routed [S, k]`` whether the assignment was
+    made at all (GShard's random second-expert policy may skip one); ``kept``
+    whether it survived capacity; ``exp_counts [E]`` routed assignments per
+    expert (before capacity); ``kept_counts [E]`` assignments each expert
+    serves; ``order`` a stable sort of the choice-major flattened assignments
+    by expert (kept ones first within an expert), reused by the dispatcher.
+    """
+
+    expert_index: torch.Tensor
+    weights: torch.Tensor
+    routed: torch.Tensor
+    kept: torch.Tensor
+    l_aux: torch.Tensor
+    exp_counts: torch.Tensor
+    kept_counts: torch.Tensor
+    order: torch.Tensor
+    capacity: int | None
+
+    @property
+    def num_dropped(self) -> int:
+        """Routed assignments dropped for lack of capacity."""
+        return int((self.routed & ~self.kept).sum())
+
+    @classmethod
+    def from_choices(cls, expert_index: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     capacity: int | None = None, l_aux: torch.Tensor | None = None,
+                     routed: torch.Tensor | None = None) -> "GateOutput":
+        """Positions, capacity drops and counts for given choices (Note: capacity and priority).
+
+        Weights of dropped or unrouted assignments are zeroed; nothing is renormalised.
+        """
+        tokens, k = expert_index.shape
+        if routed is None:
+            routed = torch.ones_like(expert_index, dtype=torch.bool)
+        # Choice-major flattening: all first choices (token order), then all second choices...
+        flat = torch.where(routed, expert_index, num_experts).t().reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        exp_counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+        if capacity is None:
+            kept_flat = flat < num_experts
+            kept_counts = exp_counts
+        else:
+            starts = torch.cumsum(exp_counts, 0) - exp_counts
+            sorted_expert = flat[order]
+            pos_sorted = torch.arange(flat.numel(), device=flat.device) - F.pad(starts, (0, 1))[sorted_expert]
+            position = torch.empty_like(pos_sorted)
+            position[order] = pos_sorted
+            kept_flat = (flat < num_experts) & (position < capacity)
+            kept_counts = exp_counts.clamp(max=capacity)
+        kept = kept_flat.view(k, tokens).t()
+        weights = weights.float() * kept
+        if l_aux is None:
+            l_aux = torch.zeros((), device=expert_index.device)
+        return cls(expert_index, weights, routed, kept, l_aux, exp_counts.detach(), kept_counts.detach(), order,
+                   capacity)
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch/GShard auxiliary loss ``num_experts * sum_i f_i * P_i``: f_i the fraction of tokens whose first
+    choice is expert i, P_i the mean router probability of expert i. 1.0 when perfectly balanced."""
+    f = torch.bincount(first_choice, minlength=num_experts).float() / max(first_choice.numel(), 1)
+    return num_experts * torch.sum(f * probs.mean(0))
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean squared log-partition of the logits (keeps them small)."""
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+class TopKGate(nn.Module):
+    """Top-k router (k = 1: Switch; k = 2: GShard) with capacity, noise and auxiliary losses.
+
+    ``noisy_gate_policy``: ``"Jitter"`` multiplies the router input by
+    U(1-eps, 1+eps) noise, ``"RSample"`` adds Gumbel noise to the logits used to
+    *choose* experts (the combine weights stay the noiseless softmax); both only
+    in training. ``second_expert_policy="random"`` (k = 2) is GShard's random
+    routing: the second choice is dispatched with probability
+    ``min(1, 2 * g2 / (g1 + g2))``. For k >= 2 the combine weights are the
+    chosen probabilities renormalised over the assignments that were kept.
+    ``l_aux`` = load-balancing loss + ``z_loss_coef`` * router z-loss.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0, min_capacity: int = 4, noisy_gate_policy: str | None = None,
+                 drop_tokens: bool = True, second_expert_policy: str = "all", z_loss_coef: float = 0.0):
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
+        if noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(f"noisy_gate_policy must be one of {NOISY_GATE_POLICIES}, got {noisy_gate_policy!r}")
+        if second_expert_policy not in SECOND_EXPERT_POLICIES:
+            raise ValueError(f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}")
+        if capacity_factor <= 0 or eval_capacity_factor <= 0 or min_capacity < 0:
+            raise ValueError("capacity factors must be positive and min_capacity non-negative")
+        self.wg = nn.Linear(hidden_size, num_experts, bias=False)
+        self.num_experts, self.k = num_experts, k
+        self.capacity_factor, self.eval_capacity_factor = capacity_factor, eval_capacity_factor
+        self.min_capacity = min_capacity
+        self.noisy_gate_policy = noisy_gate_policy
+        self.drop_tokens = drop_tokens
+        self.second_expert_policy = second_expert_policy
+        self.z_loss_coef = z_loss_coef
+
+    def capacity(self, tokens: int) -> int | None:
+        if not self.drop_tokens:
+            return None
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        return capacity_for(tokens, self.num_experts, self.k, factor, self.min_capacity)
+
+    def forward(self, x: torch.Tensor) -> GateOutput:
+        x = x.float()
+        if self.training and self.noisy_gate_policy == "Jitter":
+            x = x * torch.empty_like(x).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
+        logits = F.linear(x, self.wg.weight.float())
+        probs = F.softmax(logits, dim=-1)
+        select = logits
+        if self.training and self.noisy_gate_policy == "RSample":
+            gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0 - 1e-7)))
+            select = logits + gumbel
+        expert_index = torch.topk(select, self.k, dim=-1).indices
+        chosen = probs.gather(1, expert_index)
+        routed = None
+        if self.k == 2 and self.second_expert_policy == "random" and self.training:
+            g2 = chosen[:, 1] / chosen.sum(1).clamp(min=torch.finfo(torch.float32).eps)
+            second = torch.rand_like(g2) < 2.0 * g2
+            routed = torch.stack([torch.ones_like(second), second], dim=1)
+        l_aux = load_balancing_loss(probs, expert_index[:, 0], self.num_experts)
+        if self.z_loss_coef:
+            l_aux = l_aux + self.z_loss_coef * router_z_loss(logits)
+        out = GateOutput.from_choices(expert_index, chosen, self.num_experts, self.capacity(x.shape[0]), l_aux,
+                                      routed)
+        if self.k > 1:
+            # Renormalise over what was kept: a token whose first choice overflowed leans on its second.
+            out.weights = out.weights / out.weights.sum(1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
+        return out

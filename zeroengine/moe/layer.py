@@ -1,0 +1,73 @@
+"""``zeroengine.moe.MoE``: a Mixture-of-Experts layer (gate -> dispatch -> local experts -> combine)."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .dispatch import AllToAllDispatch, DispatchPlan, LocalDispatch
+from .experts import init_experts, make_local_experts
+from .gate import TopKGate
+from .groups import expert_groups
+
+
+class MoE(nn.Module):
+    """``num_experts`` copies of ``expert``, ``num_experts / ep_size`` of them on this rank.
+
+    ``forward(x [..., hidden_size])`` returns ``(output, l_aux, exp_counts)``:
+    ``output`` shaped like ``x``; ``l_aux`` the gate's auxiliary loss (add
+    ``coef * l_aux`` to the training loss); ``exp_counts [num_experts]`` the
+    assignments routed to each expert from this rank's tokens (before capacity).
+
+    The constructor is collective when ``ep_size > 1`` (it may create process
+    groups; see :mod:`zeroengine.moe.groups`). Beyond DESIGN.md's arguments:
+    ``gate`` replaces the router by any module returning a
+    :class:`~zeroengine.moe.gate.GateOutput`; ``second_expert_policy`` and
+    ``z_loss_coef`` go to :class:`~zeroengine.moe.gate.TopKGate`; ``impl``
+    picks the permutation kernels (``"auto"``, ``"kernel"``, ``"torch"``).
+    With ``use_residual`` (Residual MoE) a dense copy of ``expert`` runs on
+    every token and a learned 2-way softmax mixes it with the MoE output.
+    """
+
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
+                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
+                 noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_residual: bool = False, *,
+                 gate: nn.Module | None = None, second_expert_policy: str = "all", z_loss_coef: float = 0.0,
+                 impl: str = "auto"):
+        super().__init__()
+        if num_experts < 1 or ep_size < 1 or num_experts % ep_size:
+            raise ValueError(f"ep_size ({ep_size}) must divide num_experts ({num_experts})")
+        self.hidden_size, self.num_experts, self.ep_size, self.k = hidden_size, num_experts, ep_size, k
+        self.groups = expert_groups(ep_size)
+        self.num_local_experts = num_experts // ep_size
+        first = self.groups.ep_rank * self.num_local_experts
+        self.global_expert_ids = list(range(first, first + self.num_local_experts))
+        self.gate = gate if gate is not None else TopKGate(
+            hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy,
+            drop_tokens, second_expert_policy, z_loss_coef)
+        self.local_experts = make_local_experts(expert, self.global_expert_ids, ep_size)
+        self.use_residual = use_residual
+        if use_residual:
+            self.mlp = copy.deepcopy(expert)
+            self.coefficient = nn.Linear(hidden_size, 2)
+        self.impl = impl
+        self._dispatch = LocalDispatch() if ep_size == 1 else AllToAllDispatch(self.groups, self.num_local_experts)
+
+    def init_experts(self, init_fn: Callable[[nn.Module], None], seed: int) -> None:
+        """Initialise expert g with ``init_fn`` under seed ``seed + g`` (same weights at any ``ep_size``)."""
+        init_experts(self.local_experts, self.global_expert_ids, init_fn, seed)
+
+    def forward(self, x: torch.Tensor):
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoE expects a last dimension of {self.hidden_size}, got {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.hidden_size)
+        routing = self.gate(tokens)
+        plan = DispatchPlan.from_gate(routing)
+        out = self._dispatch(tokens, plan, self.local_experts, impl=self.impl)
+        if self.use_residual:
+            coef = F.softmax(self.coefficient(tokens).float(), dim=-1).to(out.dtype)
+            out = out * coef[:, :1] + self.mlp(tokens) * coef[:, 1:]
+        return out.view(x.shape), routing.l_aux, routing.exp_counts

@@ -1,0 +1,76 @@
+"""Expert parameters: the one tag they carry, and names that are unique across ranks.
+
+Every parameter of a local expert carries one attribute, ``ze_moe_expert``, an
+:class:`ExpertTag` (its ``ep_size`` and global expert id). ZeRO reads it to
+reduce and partition the parameter within its expert-data-parallel group;
+checkpoints read it (through :func:`expert_checkpoint_names`) to store the
+parameter under a name no other rank uses: on every EP rank the experts are
+``local_experts.0 ...``, so local names collide, global ones do not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .groups import ExpertGroups, expert_groups
+
+TAG = "ze_moe_expert"
+
+
+@dataclass(frozen=True)
+class ExpertTag:
+    ep_size: int
+    expert_id: int  # global id among all num_experts
+
+
+def tag_expert_params(expert: torch.nn.Module, ep_size: int, expert_id: int) -> None:
+    for p in expert.parameters():
+        setattr(p, TAG, ExpertTag(ep_size, expert_id))
+
+
+def expert_tag(p: torch.Tensor) -> ExpertTag | None:
+    return getattr(p, TAG, None)
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """True for a parameter of an MoE layer's local expert (not the gate, not the residual MLP)."""
+    return expert_tag(p) is not None
+
+
+def expert_groups_of(p: torch.Tensor) -> ExpertGroups:
+    """The EP/EDP groups of an expert parameter (``.edp_group`` reduces its gradient)."""
+    tag = expert_tag(p)
+    if tag is None:
+        raise ValueError("not an expert parameter")
+    return expert_groups(tag.ep_size)
+
+
+def expert_data_parallel_group(p: torch.Tensor):
+    """The process group over which ``p``'s gradient is averaged and its ZeRO shards are spread."""
+    return expert_groups_of(p).edp_group
+
+
+def expert_checkpoint_names(module: torch.nn.Module) -> dict[str, str]:
+    """``{local name: global name}`` for every expert parameter of ``module``.
+
+    The local name is the one ``module.named_parameters()`` gives
+    (``...moe.local_experts.<local index>.<rest>``); in the global name the local
+    index is replaced by the global expert id, so the names of all ranks'
+    experts together are unique and a checkpoint can be resharded over any
+    ``ep_size`` that divides ``num_experts``. Dense parameters are not listed.
+    """
+    from .layer import MoE
+
+    present = dict(module.named_parameters())
+    names: dict[str, str] = {}
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, MoE):
+            continue
+        head = f"{prefix}.local_experts" if prefix else "local_experts"
+        for local, (gid, expert) in enumerate(zip(sub.global_expert_ids, sub.local_experts)):
+            for rest, p in expert.named_parameters():
+                local_name = f"{head}.{local}.{rest}"
+                if present.get(local_name) is p:
+                    names[local_name] = f"{head}.{gid}.{rest}"
+    return names
