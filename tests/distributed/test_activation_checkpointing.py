@@ -1,0 +1,123 @@
+"""Activation checkpointing across ranks: under ZeRO stage 3, and with saved inputs partitioned over a
+real 2-rank model-parallel group."""
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+
+import zeroengine
+from model import GPT, Block, GPTConfig
+from parity import base_config, global_batches
+from zeroengine import checkpointing
+from zeroengine.testing import run_distributed
+from zeroengine.zero import safe_get_full_fp32_param, safe_get_full_grad
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+
+
+def _gpt(wrap: bool) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if wrap:
+        checkpointing.checkpoint_modules(model, Block)
+    return model
+
+
+def _stage3_run(rank, world, wrap: bool, steps: int = 3):
+    engine, _, _, _ = zeroengine.initialize(model=_gpt(wrap), config=base_config(2, 1, world, 1.0, stage=3))
+    params = dict(engine.module.named_parameters())
+    torch.manual_seed(100 + rank)  # each rank its own dropout masks, the same with and without checkpointing
+    losses, grads = [], []
+    for step in global_batches(steps, 1, world, 2):
+        x, y = step[0][rank]
+        loss = engine(x, y)
+        engine.backward(loss)
+        grads.append({n: safe_get_full_grad(p) for n, p in params.items()})
+        engine.step()
+        losses.append(loss.item())
+    final = {n: safe_get_full_fp32_param(p) for n, p in params.items()}
+    # Stage 3's prefetcher (where present) records the first pass's fetch order, recompute fetches included,
+    # and replays it: a checkpointed model must not make it diverge from step to step.
+    fetch = engine.optimizer.fetch_stats() if hasattr(engine.optimizer, "fetch_stats") else None
+    return losses, grads, final, engine.memory_breakdown()["params"], fetch
+
+
+def _stage3_both(rank, world):
+    return _stage3_run(rank, world, wrap=False), _stage3_run(rank, world, wrap=True)
+
+
+def test_stage3_recompute_regathers_parameters_and_matches_the_plain_gradients():
+    for plain, ckpt in run_distributed(_stage3_both, 2):
+        assert plain[0] == ckpt[0]  # losses, bit for bit
+        for ref_step, step in zip(plain[1], ckpt[1]):
+            assert ref_step.keys() == step.keys()
+            for name in ref_step:
+                torch.testing.assert_close(step[name], ref_step[name], atol=1e-6, rtol=0, msg=name)
+        for name in plain[2]:
+            torch.testing.assert_close(ckpt[2][name], plain[2][name], atol=1e-6, rtol=0, msg=name)
+        assert ckpt[3] == plain[3]  # and after the recompute the parameters are sharded again
+        if ckpt[4] is not None:
+            assert (ckpt[4]["trace_recordings"], ckpt[4]["trace_divergences"]) == (1, 0), ckpt[4]
+            assert ckpt[4]["prefetched"] > 0
+
+
+class _MPU:
+    """Megatron-style model-parallel unit over the whole (2-rank) world."""
+
+    def get_model_parallel_group(self):
+        return dist.group.WORLD
+
+    def get_model_parallel_world_size(self):
+        return dist.get_world_size()
+
+    def get_model_parallel_rank(self):
+        return dist.get_rank()
+
+
+def _grads(model, batch, seed):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    model(*batch).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _partitioned(rank, world):
+    zeroengine.init_distributed()
+    mpu = _MPU()
+    batch = global_batches(1, 1, 1, 2)[0][0][0]  # replicated: the same on both model-parallel ranks
+    reference = _grads(_gpt(wrap=False), batch, seed=5)
+    results = []
+    for cpu, contiguous, sync, profile in itertools.product([False, True], repeat=4):
+        checkpointing.configure(mpu, partition_activations=True, checkpoint_in_cpu=cpu,
+                                contiguous_checkpointing=contiguous, num_checkpoints=CFG.n_layer,
+                                synchronize=sync, profile=profile)
+        grads = _grads(_gpt(wrap=True), batch, seed=5)
+        worst = max((grads[n] - reference[n]).abs().max().item() for n in reference)
+        results.append(((cpu, contiguous, sync, profile), worst))
+    # what one rank keeps of a saved input: its padded 1/N slice (105 elements -> 53 each)
+    checkpointing.configure(mpu, partition_activations=True)
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7, requires_grad=True)
+    node = checkpointing.checkpoint(lambda t: t.sin(), x).grad_fn
+    kept = node.saved_inputs[0].data.clone()
+    x_full = x.detach().clone()
+    # initialize(mpu=...) passes the group on
+    config = {**base_config(2, 1, world, 0.0), "activation_checkpointing": {"partition_activations": True}}
+    zeroengine.initialize(model=torch.nn.Linear(2, 2), config=config, mpu=mpu)
+    return results, kept, x_full, checkpointing.current().partitions
+
+
+def test_partitioned_saved_inputs_are_one_slice_per_rank_and_gradients_still_match():
+    world = 2
+    outcomes = run_distributed(_partitioned, world)
+    for rank, (results, kept, x_full, partitions) in enumerate(outcomes):
+        assert len(results) == 16
+        for combo, worst in results:
+            assert worst <= 1e-6, (rank, combo, worst)
+        size = math.ceil(x_full.numel() / world)
+        assert kept.numel() == size == 53
+        flat = torch.cat([x_full.reshape(-1), torch.zeros(world * size - x_full.numel())])
+        assert torch.equal(kept, flat[rank * size:(rank + 1) * size])
+        assert partitions == world
+    assert not torch.equal(outcomes[0][1], outcomes[1][1])
