@@ -14,7 +14,7 @@ import torch
 
 import zeroengine
 from parity import ADAM_EPS, TINY, make_model
-from zeroengine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+from zeroengine.checkpoint import convert_zero_checkpoint_to_16bit_state_dict, get_fp32_state_dict_from_zero_checkpoint
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters
 
@@ -122,10 +122,11 @@ def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("save,load", [
+    ((2, 0, "fp32", False), (2, 3, "fp32", True)),
     ((2, 2, "bf16", True), (2, 3, "bf16", False)),
     ((2, 1, "fp16", False), (2, 1, "fp16", False)),
 ])
-def test_16bit_and_offload_checkpoints_resume(tmp_path, save, load):
+def test_every_stage_precision_and_offload_resumes(tmp_path, save, load):
     save_world, save_stage, dtype, save_offload = save
     world, stage, _, offload = load
     save_dir = str(tmp_path / "run")
@@ -140,5 +141,41 @@ def test_16bit_and_offload_checkpoints_resume(tmp_path, save, load):
         if (world, stage) == (save_world, save_stage):
             assert got_losses == losses
             assert all(torch.equal(got_final[k], v) for k, v in final.items())
+        elif dtype == "fp32":
+            torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), atol=1e-6, rtol=0)
         else:
             torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), atol=0.02 * losses[0], rtol=0)
+
+
+def save_16bit(rank, world, stage, gather_on_save, out_dir):
+    cfg = config(world, stage, "bf16")
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather_on_save
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    train(engine, rank, world, 0, 1)
+    saved = engine.save_16bit_model(out_dir, "model16.bin")
+    return saved, {k: v.clone() for k, v in full_state(engine).items()}
+
+
+@pytest.mark.parametrize("stage,gather_on_save", [(2, False), (3, True), (3, False)])
+def test_save_16bit_model_writes_the_full_model_on_rank0(tmp_path, stage, gather_on_save):
+    out = tmp_path / "export"
+    results = run_distributed(save_16bit, 2, stage, gather_on_save, str(out))
+    expect_saved = stage < 3 or gather_on_save  # DeepSpeed's rule: stage 3 gathers only when asked to
+    assert [r[0] for r in results] == [expect_saved] * 2
+    if not expect_saved:
+        assert not (out / "model16.bin").exists()
+        return
+    state = torch.load(out / "model16.bin", weights_only=True)
+    model = make_model()
+    model.load_state_dict(state)  # strict: buffers and the tied head included
+    for name, value in state.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value.float(), results[0][1][name]), name
+
+
+def test_16bit_consolidation_for_inference(stage3_checkpoint, tmp_path):
+    save_dir, (saved, _, _, _) = stage3_checkpoint
+    out = tmp_path / "model_bf16.pt"
+    convert_zero_checkpoint_to_16bit_state_dict(save_dir, str(out), dtype=torch.bfloat16)
+    state = torch.load(out, weights_only=True)
+    for name, value in saved.items():
+        assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], value.bfloat16()), name
