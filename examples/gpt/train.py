@@ -1,6 +1,11 @@
 """Train the example GPT with zeroengine. Run it through the launcher:
 
     zeroengine --num_procs 2 examples/gpt/train.py --zeroengine_config examples/gpt/config.json
+
+With Mixture-of-Experts layers (every other MLP; experts spread over --ep_size ranks):
+
+    zeroengine --num_procs 2 examples/gpt/train.py --zeroengine_config examples/gpt/config_moe.json \
+        --moe --num_experts 4 --ep_size 2
 """
 from __future__ import annotations
 
@@ -26,6 +31,12 @@ def parse_args():
     parser.add_argument("--block_size", type=int, default=64)
     parser.add_argument("--vocab_size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--moe", action="store_true", help="MoE variant (examples/gpt/moe_model.py)")
+    parser.add_argument("--num_experts", type=int, default=4)
+    parser.add_argument("--ep_size", type=int, default=1, help="ranks the experts of one MoE layer spread over")
+    parser.add_argument("--top_k", type=int, default=2)
+    parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
+    parser.add_argument("--resume", action="store_true", help="first load the latest checkpoint in --save_dir")
     zeroengine.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -35,18 +46,33 @@ def main():
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(cfg)
+    if args.moe:
+        from moe_model import MoEConfig, MoEGPT
+
+        zeroengine.init_distributed()  # the MoE layers create their process groups when built
+        model = MoEGPT(cfg, MoEConfig(num_experts=args.num_experts, ep_size=args.ep_size, k=args.top_k))
+    else:
+        model = GPT(cfg)
     data = SyntheticTokens(num_samples=8192, block_size=args.block_size, vocab_size=args.vocab_size, seed=args.seed)
     engine, _, loader, _ = zeroengine.initialize(args=args, model=model, training_data=data)
     rank0 = engine.global_rank == 0
     if rank0:
-        print(f"GPT {model.num_params() / 1e6:.2f}M params | world {engine.world_size} | stage {engine.zero_stage} | "
+        kind = f"MoE GPT ({args.num_experts} experts, top-{args.top_k}, ep_size {args.ep_size})" if args.moe else "GPT"
+        print(f"{kind} {model.num_params() / 1e6:.2f}M params | world {engine.world_size} | stage {engine.zero_stage} | "
               f"micro batch {engine.train_micro_batch_size_per_gpu()} x accumulation "
               f"{engine.gradient_accumulation_steps()} x ranks {engine.world_size} = {engine.train_batch_size()} "
               f"| loss at start should be about ln({cfg.vocab_size}) = {math.log(cfg.vocab_size):.2f}", flush=True)
 
+    epoch = 0
+    if args.resume and args.save_dir:
+        path, client_state = engine.load_checkpoint(args.save_dir)
+        if path is not None:
+            epoch = client_state["epoch"]
+            if rank0:
+                print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+
     engine.train()
-    losses, epoch, start = [], 0, time.perf_counter()
+    losses, start, first_step = [], time.perf_counter(), engine.global_steps
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
@@ -60,12 +86,14 @@ def main():
                 break
         epoch += 1
     elapsed = time.perf_counter() - start
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir, client_state={"epoch": epoch})
 
-    tokens = engine.global_steps * engine.train_batch_size() * args.block_size
+    tokens = (engine.global_steps - first_step) * engine.train_batch_size() * args.block_size
     mem = engine.memory_breakdown()
     if rank0:
         first, last = sum(losses[:5]) / len(losses[:5]), sum(losses[-5:]) / len(losses[-5:])
-        print(f"done: {engine.global_steps} steps in {elapsed:.1f}s | {tokens / elapsed:,.0f} tokens/s | "
+        print(f"done: {engine.global_steps - first_step} steps in {elapsed:.1f}s | {tokens / elapsed:,.0f} tokens/s | "
               f"loss {first:.3f} -> {last:.3f}", flush=True)
         print("memory per rank: " + ", ".join(f"{k} {v / 2**20:.1f}MiB" for k, v in mem.items()), flush=True)
     zeroengine.comm.shutdown()
