@@ -46,8 +46,9 @@ def base_config(micro: int, gas: int, world: int, clip: float, lr: float = 1e-2,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "eps": ADAM_EPS}},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
         "bf16": {"enabled": dtype == "bf16"},
-        # small buckets, so even the tiny model spans several (and parameters straddle chunk edges)
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+        # small buckets, so even the tiny model spans several (and parameters straddle chunk edges); no
+        # stage-3 persistence, so every parameter of the tiny model is partitioned
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
     }
 
 

@@ -19,6 +19,7 @@ from .collectives import (
     all_to_all_single,
     barrier,
     broadcast,
+    collective_context,
     reduce_scatter,
 )
 from .counters import CommCounters, counters, ring_wire_bytes
@@ -27,8 +28,8 @@ from .sequence_check import CollectiveMismatchError
 
 __all__ = [
     "all_gather", "all_reduce", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
-    "CollectiveMismatchError", "CommCounters", "counters", "default_backend", "device_for_backend",
-    "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in", "get_world_size", "handshakes",
-    "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp", "ring_wire_bytes",
-    "sequence_check_requested", "shutdown"
+    "collective_context", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
+    "device_for_backend", "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in",
+    "get_world_size", "handshakes", "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp",
+    "ring_wire_bytes", "sequence_check_requested", "shutdown"
 ]

@@ -8,7 +8,9 @@ All take ``group=None`` for the world and ``async_op`` where overlap matters.
 """
 from __future__ import annotations
 
+import contextvars
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,23 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_LABEL = contextvars.ContextVar("zeroengine_collective_label", default="")
+
+
+@contextmanager
+def collective_context(label: str):
+    """Name what the collectives issued inside are for (e.g. "module blocks.0.attn (forward)").
+
+    The label joins the collective's fingerprint in debug mode, so ranks that
+    diverge are told apart by what they were doing, not only by op and size.
+    """
+    token = _LABEL.set(label)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
 def _group_ranks(group) -> list[int]:
     if group is None or group is dist.group.WORLD:
         return list(range(dist.get_world_size()))
@@ -34,7 +53,8 @@ def _before(op: str, tensor: torch.Tensor, group, payload_bytes: int, sizes_must
     counters.record(op, payload_bytes, ring_wire_bytes(op, payload_bytes, world))
     if state.checker is not None:
         ranks = _group_ranks(group)
-        fp = Fingerprint(op, str(tensor.dtype).removeprefix("torch."), tensor.numel(), caller_site(), sizes_must_match)
+        fp = Fingerprint(op, str(tensor.dtype).removeprefix("torch."), tensor.numel(), caller_site(), sizes_must_match,
+                         _LABEL.get())
         state.checker.check("-".join(map(str, ranks)) if len(ranks) < 64 else f"g{id(group)}", ranks, fp)
 
 

@@ -38,20 +38,27 @@ class Fingerprint:
     numel: int
     callsite: str
     sizes_must_match: bool = True
+    # What the collective is for, when the caller says (comm.collective_context), e.g. the stage-3
+    # module whose parameters are gathered; two labelled collectives must carry the same label.
+    label: str = ""
 
     def encode(self) -> bytes:
-        return f"{self.op}|{self.dtype}|{self.numel}|{int(self.sizes_must_match)}|{self.callsite}".encode()
+        label = self.label.replace("|", "/")
+        return f"{self.op}|{self.dtype}|{self.numel}|{int(self.sizes_must_match)}|{label}|{self.callsite}".encode()
 
     @staticmethod
     def decode(raw: bytes) -> "Fingerprint":
-        op, dtype, numel, must, callsite = raw.decode().split("|", 4)
-        return Fingerprint(op, dtype, int(numel), callsite, bool(int(must)))
+        op, dtype, numel, must, label, callsite = raw.decode().split("|", 5)
+        return Fingerprint(op, dtype, int(numel), callsite, bool(int(must)), label)
 
     def describe(self) -> str:
-        return f"{self.op}({self.dtype}[{self.numel}]) at {self.callsite}"
+        label = f" for {self.label}" if self.label else ""
+        return f"{self.op}({self.dtype}[{self.numel}]){label} at {self.callsite}"
 
     def agrees_with(self, other: "Fingerprint") -> bool:
         same_kind = self.op == other.op and self.dtype == other.dtype
+        if self.label and other.label and self.label != other.label:
+            return False
         if not (self.sizes_must_match and other.sizes_must_match):
             return same_kind
         return same_kind and self.numel == other.numel

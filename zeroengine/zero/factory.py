@@ -7,6 +7,8 @@ the stage steps (fp32 masters, shard pieces, or the parameters themselves).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from zeroengine import comm
@@ -16,11 +18,15 @@ from zeroengine.precision.master_weights import MasterWeights
 from .flat_params import FlatParamBuffer
 from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
 from .layout import build_layout
+from .moe_split import ExpertDataParallelOptimizer, build_sharded_with_experts, split_domains
 from .gathered import register_partitioned
+from .init import InitReshard
 from .optimizer import ZeroOptimizer
-from .partitioned_params import PartitionedParamBuffer
+from .param_guard import full_shape
+from .partitioned_params import FetchStats, PartitionedParamBuffer
 from .sharded import ShardedOptimizer
-from .stage3_hooks import Stage3Hooks
+from .stage3 import Stage3Optimizer, Stage3Params, persistent_buckets, split_params
+from .stage3_hooks import FetchPolicy, Stage3Hooks, Unit
 from .stage0 import DataParallelOptimizer
 
 IMPLEMENTED_STAGES = (0, 1, 2, 3)
@@ -31,6 +37,18 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
                          allow_untested_optimizer: bool = False) -> ZeroOptimizer:
     if stage > 0:
         check_shardable(optimizer, allow_untested_optimizer)
+    # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
+    stepped = {id(p) for p in _optimizer_params(optimizer)}
+    domains = split_domains([p for p in reversed(list(module.parameters())) if id(p) in stepped])
+    if domains:
+        if stage == 3:
+            raise ConfigError("zero_optimization.stage", "stage 3 does not support MoE expert parameters yet "
+                              "(they would be partitioned over the whole world); use stage 0, 1 or 2")
+        if stage == 0:
+            return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
+                                 domains)
+        return build_sharded_with_experts(stage, module, optimizer, policy, loss_scaler, zero_config,
+                                          gradient_clipping, comm_dtype, domains)
     if stage == 0:
         return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype)
     if stage in (1, 2):
@@ -66,7 +84,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramet
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
+def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None):
     master_weights = None
     if policy.mixed:
         params = _optimizer_params(optimizer)
@@ -75,6 +93,10 @@ def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, com
         for group in optimizer.param_groups:
             group["params"] = [master_weights.master_of[id(p)] for p in group["params"]]
     module.to(policy.param_dtype)
+    if domains:
+        return ExpertDataParallelOptimizer(module, optimizer, policy, loss_scaler, clip, master_weights,
+                                           reduce_bucket_size=zero_config.reduce_bucket_size, comm_dtype=comm_dtype,
+                                           domains=domains)
     return DataParallelOptimizer(module, optimizer, policy, loss_scaler, clip, master_weights,
                                  reduce_bucket_size=zero_config.reduce_bucket_size, comm_dtype=comm_dtype)
 
@@ -98,33 +120,70 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
 
 def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
     group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    # One unit per module that owns parameters, in reverse module order (backward order);
-    # a shared parameter belongs to the first module met.
-    params, segments, seen = [], [], set()
-    for unit, m in enumerate(reversed(list(module.modules()))):
-        for p in m._parameters.values():
-            if p is not None and id(p) in group_of and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-                segments.append(unit)
-    fp32_values = [p.detach() for p in params] if policy.mixed else None
+    trainable, frozen = split_params(module, set(group_of), int(zero_config.stage3_param_persistence_threshold))
     rank, world = comm.get_rank(), comm.get_world_size()
-    layout = build_layout([p.numel() for p in params], world, int(zero_config.reduce_bucket_size), segments=segments)
-    buffer = PartitionedParamBuffer(params, layout, policy.param_dtype, rank)
-    module.to(policy.param_dtype)
-    hooks = Stage3Hooks(module, buffer, layout)
+    bucket_numel = int(zero_config.reduce_bucket_size)
+    # Parameters built under zero.Init arrive as per-parameter slices: re-cut into the bucket layout.
+    reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.mixed)
+    stats = FetchStats()
+
+    def buffer_of(part: Stage3Params, offset: int):
+        layout = build_layout([full_shape(p).numel() for p in part.params], world, bucket_numel,
+                              segments=part.segments)
+        return PartitionedParamBuffer(
+            part.params, layout, policy.param_dtype, rank, names=part.names,
+            persistent=persistent_buckets(layout, part.persistent_from), stats=stats,
+            chunk_source=lambda bucket: reshard.chunk(_shifted(bucket, offset), policy.param_dtype))
+
+    buffer = buffer_of(trainable, 0)
+    fp32_values = None
+    if policy.mixed:
+        fp32_values = reshard.fp32_values()[:len(trainable.params)]
+    frozen_buffer = buffer_of(frozen, len(trainable.params)) if frozen.params else None
+    reshard.release_init_shards()
+    _cast_floating_buffers(module, policy.param_dtype)
+    units = [Unit(buffer, b, True) for b in buffer.layout.buckets]
+    unit_of = {id(buffer.params[s.index]): u for u, unit in enumerate(units) for s in unit.bucket.slots}
+    if frozen_buffer is not None:
+        for b in frozen_buffer.layout.buckets:
+            units.append(Unit(frozen_buffer, b, False))
+            unit_of.update({id(frozen_buffer.params[s.index]): len(units) - 1 for s in b.slots})
+    hooks = Stage3Hooks(module, units, unit_of, FetchPolicy.from_config(zero_config))
     reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
     grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready)
-    return _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, params, fp32_values,
-                     grad_store, group_of, after_backward=hooks.release_all)
+    sharded = _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, trainable.params,
+                        fp32_values, grad_store, group_of, after_backward=hooks.release_all, cls=Stage3Optimizer)
+    sharded.hooks, sharded.frozen_params = hooks, frozen_buffer
+    if frozen_buffer is not None:
+        for bucket in frozen_buffer.layout.buckets:
+            for slot in bucket.slots:
+                register_partitioned(frozen_buffer.params[slot.index], frozen_buffer, bucket.index, None, slot.index)
+    return sharded
+
+
+def _shifted(bucket, offset: int):
+    """The frozen buffer's slots index its own list; the reshard reads trainable + frozen."""
+    if offset == 0:
+        return bucket
+    return dataclasses.replace(bucket, slots=tuple(dataclasses.replace(s, index=s.index + offset)
+                                                   for s in bucket.slots))
+
+
+def _cast_floating_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """What ``module.to(dtype)`` does for the module's buffers (its parameters already live in the
+    partitioned buffers, in that dtype)."""
+    for m in module.modules():
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                m._buffers[name] = buf.to(dtype)
 
 
 def _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, params, fp32_values, grad_store,
-              group_of, after_backward=None) -> ShardedOptimizer:
+              group_of, after_backward=None, cls=ShardedOptimizer) -> ShardedOptimizer:
     """What stages 1-3 share once parameters and gradients have their homes: the sharded optimizer,
     its param groups, and the registry GatheredParameters and the full-value helpers use."""
-    sharded = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store,
-                               buffer.rank, after_backward=after_backward, offload=zero_config.offload_optimizer)
+    sharded = cls(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store,
+                  buffer.rank, after_backward=after_backward, offload=zero_config.offload_optimizer)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
     for bucket in buffer.layout.buckets:
         for slot in bucket.slots:

@@ -27,22 +27,34 @@ def _entry(param: torch.Tensor):
     return owner, bucket, slot, buffer.full_shape(param_index)
 
 
-def _gather_slice(owner, bucket, slot, shape, chunk: torch.Tensor) -> torch.Tensor:
-    chunk = chunk.to(owner.flat_params.device)  # offloaded chunks live on CPU; NCCL gathers device memory
+def _trained_entry(param: torch.Tensor):
+    entry = _entry(param)
+    if entry[0] is None:
+        raise ValueError("this parameter is frozen (not given to the optimizer): it has no gradient or "
+                         "optimizer state; read its value with safe_get_full_fp32_param")
+    return entry
+
+
+def _gather_slice(owner, bucket, slot, shape, chunk: torch.Tensor, buffer=None) -> torch.Tensor:
+    buffer = buffer if buffer is not None else owner.flat_params
+    chunk = chunk.to(buffer.device)  # offloaded chunks live on CPU; NCCL gathers device memory
     full = torch.empty(bucket.padded_numel, dtype=chunk.dtype, device=chunk.device)
-    comm.all_gather(full, chunk.contiguous(), group=owner.group)
+    comm.all_gather(full, chunk.contiguous(), group=buffer.group)
     start = slot.flat_start - bucket.flat_start
     return full[start:start + slot.numel].view(shape).clone()
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     owner, bucket, slot, shape = _entry(param)
+    if owner is None:  # a frozen stage-3 parameter: its partitioned buffer is all there is
+        buffer = _lookup(param)[0]
+        return _gather_slice(None, bucket, slot, shape, buffer.chunk_view(bucket, buffer.rank).float(), buffer)
     return _gather_slice(owner, bucket, slot, shape, owner.chunks[bucket.index].float())
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The averaged, unscaled fp32 gradient; None before the accumulation boundary's reduction."""
-    owner, bucket, slot, shape = _entry(param)
+    owner, bucket, slot, shape = _trained_entry(param)
     chunk = owner.grad_store.chunk_grads[bucket.index]
     present = comm.all_reduce_scalar(0.0 if chunk is None else 1.0, op=comm.ReduceOp.MIN, group=owner.group)
     if present == 0.0:
@@ -52,7 +64,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
 
 def safe_get_full_optimizer_state(param: torch.Tensor, key: str) -> torch.Tensor | None:
     """The full ``optimizer.state[param][key]`` (e.g. "exp_avg"); None before the first step."""
-    owner, bucket, slot, shape = _entry(param)
+    owner, bucket, slot, shape = _trained_entry(param)
     chunk = torch.zeros(bucket.chunk_numel, dtype=torch.float32, device=owner.flat_params.device)
     found = 0.0
     for where, piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
@@ -67,7 +79,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, key: str) -> torch.Tensor
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the parameter (fp32 master and model copy) from a full value every rank passes alike."""
-    owner, bucket, slot, shape = _entry(param)
+    owner, bucket, slot, shape = _trained_entry(param)
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"value has shape {tuple(value.shape)}, the parameter {tuple(shape)}")
     flat = value.detach().reshape(-1)
@@ -80,7 +92,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str) -> None:
-    owner, bucket, slot, shape = _entry(param)
+    owner, bucket, slot, shape = _trained_entry(param)
     flat = value.detach().reshape(-1)
     for where, piece in zip(bucket.pieces_in_chunk(owner.rank), owner.pieces[bucket.index]):
         if where.slot.index == slot.index:

@@ -15,6 +15,8 @@ import torch
 
 from zeroengine import comm
 
+from .init import InitShard, is_init_partitioned
+from .param_guard import info_of, mark_gathered, mark_partitioned
 from .partitioned_params import PartitionedParamBuffer
 
 # id(parameter) -> (weak ref to it, its param buffer, bucket index, the ShardedOptimizer owning it, its index).
@@ -42,8 +44,8 @@ def _stage3_entry(param: torch.Tensor):
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
-    """True for a stage-3 parameter (empty between uses)."""
-    return _stage3_entry(param) is not None
+    """True for a stage-3 parameter (empty between uses), or one built under zero.Init."""
+    return _stage3_entry(param) is not None or is_init_partitioned(param)
 
 
 class GatheredParameters:
@@ -54,12 +56,21 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._gathered: list[tuple] = []
+        self._init_gathered: list[tuple[torch.nn.Parameter, InitShard]] = []
 
     def __enter__(self):
         if not self.enabled:
             return self
         seen = {}
         for p in self.params:
+            if is_init_partitioned(p) and all(p is not q for q, _ in self._init_gathered):
+                # Built under zero.Init, not yet given to initialize(): per-parameter slices.
+                shard = info_of(p).init_shard
+                with torch._C.DisableTorchFunction():
+                    p.data = shard.full_flat().view(info_of(p).shape)
+                mark_gathered(p)
+                self._init_gathered.append((p, shard))
+                continue
             entry = _stage3_entry(p)
             if entry is not None:
                 buffer, index, owner, _ = entry
@@ -83,8 +94,20 @@ class GatheredParameters:
                     lo, hi = bucket.chunk_range(buffer.rank)
                     start = lo - bucket.flat_start
                     buffer.chunk_view(bucket, buffer.rank).copy_(full[start:start + (hi - lo)])
-                owner.load_chunk_from_params(bucket.index)
+                if owner is not None:  # frozen parameters have no master chunk
+                    owner.load_chunk_from_params(bucket.index)
             if not was_gathered:
                 buffer.release(bucket)
         self._gathered = []
+        for p, shard in self._init_gathered:
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                full = p.detach().reshape(-1)
+                if self.modifier_rank is not None and exc_type is None:
+                    comm.broadcast(full, src=self.modifier_rank, group=shard.group)
+                lo = min(shard.rank * shard.chunk, shard.numel)
+                hi = min(lo + shard.chunk, shard.numel)
+                shard.shard[:hi - lo].copy_(full[lo:hi])
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            mark_partitioned(p)
+        self._init_gathered = []
         return False

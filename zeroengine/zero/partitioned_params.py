@@ -1,13 +1,27 @@
 """Stage 3's parameters: each rank stores only its chunks; full tensors exist while a module needs them.
 
-Every trainable parameter's ``.data`` is an empty tensor while its bucket is
-*sharded*; ``gather(bucket)`` all-gathers the bucket into a full buffer and
-points the parameters at views of it; ``release(bucket)`` frees the buffer.
-Autograd keeps working across release/gather because a saved leaf parameter is
-read through the Parameter object, whose ``.data`` is gathered again before
-the module's backward runs (see :mod:`zeroengine.zero.stage3_hooks`).
+A bucket is in one of three states:
+
+* *sharded*: its parameters' ``.data`` is an empty placeholder and they carry
+  the partitioned-parameter marker (:mod:`zeroengine.zero.param_guard`);
+* *in flight*: an asynchronous all-gather (a prefetch) is filling its full
+  buffer; the parameters are pointed at it once the gather is waited for;
+* *gathered*: the parameters are views of the full buffer.
+
+``fetch_async(bucket)`` starts sharded -> in flight, ``gather(bucket)`` ends
+in gathered (waiting for a prefetch, or gathering on demand), and
+``release(bucket)`` frees the buffer. *Persistent* buckets (parameters below
+``stage3_param_persistence_threshold``) are gathered once and never released:
+every rank keeps them whole, and only their optimizer state and gradients are
+partitioned. Autograd keeps working across release/gather because a saved
+leaf parameter is read through the Parameter object, whose ``.data`` is
+gathered again before the module's backward runs (see
+:mod:`zeroengine.zero.stage3_hooks`).
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,12 +29,43 @@ from zeroengine import comm
 
 from .flat_params import ParamBuffer, gather_chunk
 from .layout import Bucket, FlatLayout
+from .param_guard import full_shape, mark_gathered, mark_partitioned
+
+
+class Stage3CollectiveError(RuntimeError):
+    """A stage-3 parameter all-gather failed (typically: ranks ran different modules and desynchronised)."""
+
+
+@dataclass
+class FetchStats:
+    """What the gathers of one buffer cost, for tests and benchmarks (elements, not bytes)."""
+
+    on_demand: int = 0  # gathers issued at the moment of need: the caller waits for the whole collective
+    prefetched: int = 0  # asynchronous gathers issued ahead of need
+    waited_in_flight: int = 0  # needs that found their prefetch still running (timing-dependent)
+    gathered_numel: int = 0  # elements received by all gathers
+    live_numel: int = 0  # elements of non-persistent buckets gathered or in flight now
+    peak_live_numel: int = 0
+    labels: list = field(default_factory=list)  # (label, on_demand?) per gather, when recording is on
+    record_labels: bool = False
+
+    def reset(self) -> None:
+        live = self.live_numel
+        self.__init__(record_labels=self.record_labels)
+        self.live_numel = self.peak_live_numel = live
 
 
 class PartitionedParamBuffer(ParamBuffer):
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
-                 group=None):
+                 group=None, names: list[str] | None = None, persistent: frozenset[int] = frozenset(),
+                 chunk_source=None, stats: FetchStats | None = None):
+        """``chunk_source(bucket)`` returns this rank's chunk of a bucket (default: read from the full
+        parameters); ``persistent`` names buckets that stay gathered."""
         super().__init__(params, layout, dtype, rank, group)
+        self.shapes = [full_shape(p) for p in params]
+        self.names = names or [f"param{i}" for i in range(len(params))]
+        self.persistent = persistent
+        self.stats = stats if stats is not None else FetchStats()  # one object may serve several buffers
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=self.device)
         self._chunk_start = []
         offset = 0
@@ -29,11 +74,17 @@ class PartitionedParamBuffer(ParamBuffer):
             offset += bucket.chunk_numel
         with torch.no_grad():
             for bucket in layout.buckets:
-                self.chunk_view(bucket, rank).copy_(gather_chunk(params, bucket, rank, dtype))
+                chunk = chunk_source(bucket) if chunk_source is not None else gather_chunk(params, bucket, rank,
+                                                                                           dtype)
+                self.chunk_view(bucket, rank).copy_(chunk)
         self.full: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self._pending: list[object | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         for bucket in layout.buckets:
             self._point_at_nothing(bucket)
+        for bucket in layout.buckets:
+            if bucket.index in persistent:
+                self.gather(bucket, label="persistent parameters")
 
     def chunk_view(self, bucket: Bucket, rank: int) -> torch.Tensor:
         if rank != self.rank:
@@ -42,39 +93,104 @@ class PartitionedParamBuffer(ParamBuffer):
         return self.shard[start:start + bucket.chunk_numel]
 
     def is_gathered(self, bucket: Bucket) -> bool:
+        return self.full[bucket.index] is not None and self._pending[bucket.index] is None
+
+    def is_fetched(self, bucket: Bucket) -> bool:
+        """Gathered or in flight."""
         return self.full[bucket.index] is not None
 
-    def gather(self, bucket: Bucket) -> None:
+    # -- gather / release -------------------------------------------------------
+    def _launch(self, bucket: Bucket, label: str, async_op: bool):
+        full = torch.empty(bucket.padded_numel, dtype=self.dtype, device=self.shard.device)
+        self.full[bucket.index] = full
+        if bucket.index not in self.persistent:
+            self.stats.live_numel += bucket.padded_numel
+            self.stats.peak_live_numel = max(self.stats.peak_live_numel, self.stats.live_numel)
+        self.stats.gathered_numel += bucket.padded_numel
+        if self.stats.record_labels:
+            self.stats.labels.append((label, not async_op))
+        # The label goes into the collective's fingerprint (comm_debug): a rank that skipped a module
+        # shows up as "rank 0 gathered for module A, rank 1 for module B".
+        ctx = comm.collective_context(label) if label else nullcontext()
+        try:
+            with ctx:
+                return comm.all_gather(full, self.chunk_view(bucket, self.rank), group=self.group,
+                                       async_op=async_op)
+        except RuntimeError as exc:
+            raise self._desync_error(label, exc) from exc
+
+    def fetch_async(self, bucket: Bucket, label: str = "") -> None:
+        """Start gathering ``bucket`` (a prefetch); :meth:`gather` completes it."""
         if self.full[bucket.index] is not None:
             return
-        full = torch.empty(bucket.padded_numel, dtype=self.dtype, device=self.shard.device)
-        comm.all_gather(full, self.chunk_view(bucket, self.rank), group=self.group)
-        self.full[bucket.index] = full
+        self._pending[bucket.index] = self._launch(bucket, label, async_op=True) or _DONE
+        self.stats.prefetched += 1
+
+    def gather(self, bucket: Bucket, label: str = "") -> None:
+        """Make ``bucket``'s parameters hold their full values (waiting for its prefetch, if any)."""
+        work = self._pending[bucket.index]
+        if work is not None:
+            if not work.is_completed():
+                self.stats.waited_in_flight += 1
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self._desync_error(label, exc) from exc
+            self._pending[bucket.index] = None
+        elif self.full[bucket.index] is None:
+            self.stats.on_demand += 1
+            self._launch(bucket, label, async_op=False)
+        else:
+            return
+        self._point_at_full(bucket)
+
+    def release(self, bucket: Bucket, force: bool = False) -> None:
+        if self.full[bucket.index] is None or (bucket.index in self.persistent and not force):
+            return
+        if self._pending[bucket.index] is not None:  # its buffer is being written: finish first
+            self._pending[bucket.index].wait()
+            self._pending[bucket.index] = None
+        self.full[bucket.index] = None
+        if bucket.index not in self.persistent:
+            self.stats.live_numel -= bucket.padded_numel
+        self._point_at_nothing(bucket)
+
+    def _point_at_full(self, bucket: Bucket) -> None:
+        full = self.full[bucket.index]
         for slot in bucket.slots:
             start = slot.flat_start - bucket.flat_start
             p = self.params[slot.index]
             p.data = full[start:start + slot.numel].view(self.shapes[slot.index])
-
-    def release(self, bucket: Bucket) -> None:
-        if self.full[bucket.index] is None:
-            return
-        self.full[bucket.index] = None
-        self._point_at_nothing(bucket)
+            mark_gathered(p)
 
     def _point_at_nothing(self, bucket: Bucket) -> None:
         for slot in bucket.slots:
-            self.params[slot.index].data = self._empty
+            p = self.params[slot.index]
+            p.data = self._empty
+            mark_partitioned(p, self.names[slot.index], self.shapes[slot.index])
 
+    def _desync_error(self, label: str, exc: Exception) -> Stage3CollectiveError:
+        return Stage3CollectiveError(
+            f"rank {self.rank}: the stage-3 all-gather of {label or 'a parameter bucket'} failed ({exc}). Every "
+            "rank must run the same modules in the same order: a module skipped (or called) on some ranks "
+            "only leaves the others waiting in this collective. Run with \"comm_debug\": true (or "
+            "ZEROENGINE_COMM_DEBUG=1) to have each rank's module and call site compared and named.")
+
+    # -- after the optimizer step ------------------------------------------------
     def after_step(self, chunks: list[torch.Tensor]) -> None:
-        """Take the optimizer's updated chunks; re-gather any bucket that is gathered right now."""
+        """Take the optimizer's updated chunks; re-gather every bucket that is gathered right now."""
         with torch.no_grad():
             for bucket, chunk in zip(self.layout.buckets, chunks):
                 view = self.chunk_view(bucket, self.rank)
                 if chunk.data_ptr() != view.data_ptr():
                     view.copy_(chunk)
-                if self.is_gathered(bucket):
-                    self.full[bucket.index] = None
-                    self.gather(bucket)
+        refresh = [b for b in self.layout.buckets if self.full[b.index] is not None]
+        for bucket in refresh:
+            self.release(bucket, force=True)
+        for bucket in refresh:
+            self.fetch_async(bucket, label="parameters refreshed after the step")
+        for bucket in refresh:
+            self.gather(bucket)
 
     def set_param_value(self, slot, bucket: Bucket, flat_value: torch.Tensor) -> None:
         """Keep this rank's slice of a new full value (and the gathered copy, if any)."""
@@ -84,8 +200,24 @@ class PartitionedParamBuffer(ParamBuffer):
                 flat_value[own.param_start:own.param_end])
         full = self.full[bucket.index]
         if full is not None:
+            self.gather(bucket)
             start = slot.flat_start - bucket.flat_start
             full[start:start + slot.numel].copy_(flat_value)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.shard] + [f for f in self.full if f is not None]
+
+
+class _Done:
+    """The handle of a collective that already completed (a synchronous fallback)."""
+
+    @staticmethod
+    def wait(timeout=None):
+        return True
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+
+_DONE = _Done()

@@ -1,77 +1,202 @@
-"""Stage 3's module hooks: gather parameters just before a module runs, free them right after.
+"""Stage 3's module hooks: gather parameters just before a module runs, free them after, prefetch ahead.
 
-For every module that directly owns sharded parameters:
+The parameters are grouped in *units*: one bucket of a partitioned buffer
+(trainable parameters in the optimizer's buffer, frozen ones in a buffer of
+their own). For every module that directly owns partitioned parameters:
 
-* forward pre-hook: gather the buckets holding those parameters;
-* forward post-hook: release them (a module called twice gathers twice), and
-  when autograd will come back through this module, register a hook on its
-  outputs that gathers them again just before its backward runs;
-* the gradient store calls :meth:`Stage3Hooks.on_bucket_grads_ready` once every
-  gradient of a bucket exists, which releases it: after that no backward
-  computation needs those parameters (autograd has accumulated every use).
+* forward pre-hook: a fetch event for the units holding them (gather them,
+  and prefetch along the recorded trace, see :mod:`zeroengine.zero.prefetch`);
+* forward post-hook: release them (a module called twice gathers twice)
+  unless the trace says they are needed again soon; when autograd will come
+  back through this module, register a hook on its outputs that fires a
+  backward fetch event just before its backward runs;
+* trainable units are released by the gradient store's
+  :meth:`Stage3Hooks.on_bucket_grads_ready` once every gradient of the bucket
+  exists (no backward computation needs them after that); frozen units once
+  the module's input gradients exist (its backward is done), or at the end
+  of backward.
 
-Tied parameters (GPT-2's embedding and head) live in the bucket of their
-first owner; any module using them gathers that bucket.
+Tied parameters (GPT-2's embedding and head) live in the unit of their first
+owner; any module using them fetches that unit. Persistent units (small
+parameters, ``stage3_param_persistence_threshold``) are never fetched here:
+they stay gathered.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from .layout import Bucket, FlatLayout
+from .layout import Bucket
 from .partitioned_params import PartitionedParamBuffer
+from .prefetch import ExecutionTrace, FetchEvent, TraceState
+
+
+@dataclass(frozen=True)
+class Unit:
+    buffer: PartitionedParamBuffer
+    bucket: Bucket
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.padded_numel
+
+    @property
+    def persistent(self) -> bool:
+        return self.bucket.index in self.buffer.persistent
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """The stage-3 tuning keys, in elements (DeepSpeed's units)."""
+
+    prefetch_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+
+    @classmethod
+    def from_config(cls, zero_config) -> "FetchPolicy":
+        return cls(int(zero_config.stage3_prefetch_bucket_size), int(zero_config.stage3_max_live_parameters),
+                   int(zero_config.stage3_max_reuse_distance))
 
 
 class Stage3Hooks:
-    def __init__(self, module: torch.nn.Module, params: PartitionedParamBuffer, layout: FlatLayout):
-        self.params = params
-        self.layout = layout
+    def __init__(self, module: torch.nn.Module, units: list[Unit], unit_of_param: dict[int, int],
+                 policy: FetchPolicy = FetchPolicy()):
+        self.units = units
+        self.policy = policy
+        self.trace = ExecutionTrace([u.numel for u in units])
         self.in_use: dict[int, int] = defaultdict(int)
-        index_of = {id(p): i for i, p in enumerate(params.params)}
-        bucket_of = layout.bucket_of_param()
-        self.handles = []
-        for m in module.modules():
-            owned = {bucket_of[index_of[id(p)]] for p in m._parameters.values() if p is not None and id(p) in index_of}
+        self._trainable_unit = {u.bucket.index: i for i, u in enumerate(units) if u.trainable}
+        self.prefetched: set[int] = set()  # fetched ahead, not yet asked for
+        self.kept: set[int] = set()  # kept gathered after use (reuse distance)
+        self.handles = [module.register_forward_pre_hook(self._begin_pass)]
+        for name, m in module.named_modules():
+            owned = {unit_of_param[id(p)] for p in m._parameters.values()
+                     if p is not None and id(p) in unit_of_param}
+            owned = tuple(sorted(u for u in owned if not units[u].persistent))
             if not owned:
                 continue
-            buckets = [layout.buckets[b] for b in sorted(owned)]
-            self.handles.append(m.register_forward_pre_hook(self._pre_forward(buckets)))
-            self.handles.append(m.register_forward_hook(self._post_forward(buckets)))
+            label = name or type(m).__name__
+            frozen = tuple(u for u in owned if not units[u].trainable)
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned, frozen)))
+            self.handles.append(m.register_forward_hook(self._post_forward(label, owned)))
 
-    def _pre_forward(self, buckets: list[Bucket]):
-        def hook(_module, _args):
-            for b in buckets:
-                self.params.gather(b)
-                self.in_use[b.index] += 1
+    # -- hooks ---------------------------------------------------------------------
+    def _begin_pass(self, _module, _args) -> None:
+        if self.trace.in_pass:
+            self.end_pass()  # a forward with no backward after it
+        self.trace.begin_pass(torch.is_grad_enabled())
+
+    def _pre_forward(self, label: str, units: tuple[int, ...], frozen: tuple[int, ...]):
+        def hook(_module, args):
+            self._need(FetchEvent(label, "forward", units))
+            for u in units:
+                self.in_use[u] += 1
+            if frozen and torch.is_grad_enabled():
+                inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if inputs:  # the module's backward is over once its input gradients exist
+                    register_multi_grad_hook(inputs, lambda _grads: self._release_idle(frozen), mode="all")
 
         return hook
 
-    def _post_forward(self, buckets: list[Bucket]):
+    def _post_forward(self, label: str, units: tuple[int, ...]):
         def hook(_module, _args, output):
-            for b in buckets:
-                self.in_use[b.index] -= 1
-                if self.in_use[b.index] == 0:
-                    self.params.release(b)
+            for u in units:
+                self.in_use[u] -= 1
+                if self.in_use[u] == 0:
+                    self._release_or_keep(u)
             if torch.is_grad_enabled():
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outputs:
-                    register_multi_grad_hook(outputs, lambda _grads: self._pre_backward(buckets), mode="any")
+                    register_multi_grad_hook(outputs, lambda _grads: self._need(FetchEvent(label, "backward", units)),
+                                             mode="any")
 
         return hook
 
-    def _pre_backward(self, buckets: list[Bucket]) -> None:
-        for b in buckets:
-            self.params.gather(b)
+    # -- fetching --------------------------------------------------------------------
+    def _need(self, event: FetchEvent) -> None:
+        was_replaying = self.trace.replaying
+        on_trace = self.trace.observe(event)
+        if was_replaying and not on_trace:
+            # Left the trace: what was fetched ahead for the old order is not needed.
+            self._release_idle(tuple(self.prefetched | self.kept), keep=event.units)
+        label = f"module {event.module} ({event.phase})"
+        for u in event.units:
+            unit = self.units[u]
+            if not unit.buffer.is_fetched(unit.bucket):
+                self._make_room(unit.numel, keep=event.units)
+            unit.buffer.gather(unit.bucket, label)
+            self.prefetched.discard(u)
+            self.kept.discard(u)
+        if on_trace:
+            self._prefetch()
 
+    def _prefetch(self) -> None:
+        ahead = sum(self.units[u].numel for u in self.prefetched)
+        for event in self.trace.upcoming():
+            for u in event.units:
+                unit = self.units[u]
+                if unit.buffer.is_fetched(unit.bucket):
+                    continue
+                if ahead + unit.numel > self.policy.prefetch_numel or \
+                        self._live() + unit.numel > self.policy.max_live_numel:
+                    return
+                unit.buffer.fetch_async(unit.bucket, f"module {event.module} ({event.phase})")
+                self.prefetched.add(u)
+                ahead += unit.numel
+
+    def _live(self) -> int:
+        return self.units[0].buffer.stats.live_numel  # one FetchStats shared by the buffers
+
+    def _make_room(self, numel: int, keep: tuple[int, ...]) -> None:
+        """Free kept, then prefetched, units (not needed now) until ``numel`` more fits under max_live."""
+        for pool in (self.kept, self.prefetched):
+            for u in sorted(pool):
+                if self._live() + numel <= self.policy.max_live_numel:
+                    return
+                if u not in keep and self.in_use[u] == 0:
+                    self._release(u)
+
+    def _release_or_keep(self, u: int) -> None:
+        distance = self.trace.reuse_distance(u)
+        if distance is not None and distance <= self.policy.max_reuse_distance and \
+                self._live() <= self.policy.max_live_numel:
+            self.kept.add(u)
+            return
+        self._release(u)
+
+    def _release(self, u: int) -> None:
+        unit = self.units[u]
+        unit.buffer.release(unit.bucket)
+        self.prefetched.discard(u)
+        self.kept.discard(u)
+
+    def _release_idle(self, units, keep: tuple[int, ...] = ()) -> None:
+        for u in units:
+            if u not in keep and self.in_use[u] == 0:
+                self._release(u)
+
+    # -- called by the gradient store / the optimizer --------------------------------
     def on_bucket_grads_ready(self, bucket: Bucket) -> None:
-        if self.in_use[bucket.index] == 0:
-            self.params.release(bucket)
+        u = self._trainable_unit[bucket.index]
+        if self.in_use[u] == 0:
+            self._release(u)
 
-    def release_all(self) -> None:
-        """End of backward: anything still gathered (frozen paths, unused outputs) is freed."""
-        for bucket in self.layout.buckets:
-            if self.in_use[bucket.index] == 0:
-                self.params.release(bucket)
+    def end_pass(self) -> None:
+        """End of backward (or a forward nobody backpropagated): anything still gathered is freed."""
+        self.trace.end_pass()
+        self._release_idle(range(len(self.units)))
+        self.prefetched.clear()
+        self.kept.clear()
+
+    # The optimizer's after-backward callback.
+    release_all = end_pass
+
+    @property
+    def trace_state(self) -> TraceState:
+        return self.trace.state

@@ -1,0 +1,310 @@
+"""``zeroengine.zero.Init``: build a model with its parameters partitioned from the start.
+
+Note: how construction is intercepted, and why the values equal an ordinary build.
+Inside ``with Init():`` two hooks are active, both torch-provided and both
+removed on exit (nothing in torch is replaced):
+
+* a global *parameter-registration hook* sees every ``nn.Parameter`` a module
+  registers; the parameter keeps its full value only while it is the
+  *active* one, and is cut to this rank's flat slice (``ceil(numel / N)``
+  elements) as soon as another parameter is touched;
+* a ``TorchFunctionMode`` sees every torch function applied to a partitioned
+  parameter (``reset_parameters``, ``nn.init.*``, a model's own init loop).
+  Metadata (shape, numel, dim) answers for the full parameter. Any other op
+  makes the parameter active again: an op that overwrites every element
+  (``normal_``, ``uniform_``, ``zero_``, ``fill_``, ``copy_``, ...) starts
+  from an uninitialised full tensor, any other op (``erfinv_``, ``mul_``,
+  ``__getitem__``) from the full value, all-gathered from the ranks' slices.
+
+Every rank runs the same construction code with the same seed, and every
+op runs on a full-size tensor exactly as in an ordinary build, so the random
+number generator is consumed identically and each rank keeps its slice of
+exactly the values an ordinary build would produce. At most one parameter is
+whole at any time: the peak is about Ψ/N plus the largest parameter.
+
+``initialize()`` then re-cuts these per-parameter slices into the engine's
+bucket layout (one parameter at a time, see :class:`InitReshard`). Until then
+a partitioned parameter raises on use (see :mod:`zeroengine.zero.param_guard`);
+``GatheredParameters`` gives its full value (e.g. to load pretrained weights).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.overrides import TorchFunctionMode
+
+from zeroengine import comm
+
+from .param_guard import _FULL_METADATA, _PASS_THROUGH, _name, info_of, mark_gathered, mark_partitioned
+
+# In-place ops that write every element without reading any: no gather needed to run them.
+_OVERWRITE = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "exponential_",
+                        "log_normal_", "cauchy_", "geometric_", "bernoulli_", "set_"})
+
+
+class InitShard:
+    """This rank's flat slice of one parameter built under Init."""
+
+    def __init__(self, flat: torch.Tensor, rank: int, world: int, group):
+        self.numel = flat.numel()
+        self.rank, self.world, self.group = rank, world, group
+        self.chunk = -(-self.numel // world)
+        self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device)
+        lo, hi = min(rank * self.chunk, self.numel), min((rank + 1) * self.chunk, self.numel)
+        self.shard[:hi - lo].copy_(flat[lo:hi])
+
+    @property
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+    def full_flat(self) -> torch.Tensor:
+        """The parameter's full flat value (collective: every rank calls it for the same parameter)."""
+        full = torch.empty(self.chunk * self.world, dtype=self.shard.dtype, device=self.shard.device)
+        comm.all_gather(full, self.shard, group=self.group)
+        return full[:self.numel]
+
+    def convert(self, param, func, args, kwargs):
+        """``module.to(...)`` before initialize(): convert this slice alongside the (empty) placeholder."""
+        with torch._C.DisableTorchFunction():
+            self.shard = func(self.shard, *args, **kwargs)
+            return func(param, *args, **kwargs)
+
+
+class _InitState:
+    """The context's bookkeeping: the active parameter and the bytes held."""
+
+    def __init__(self, rank: int, world: int, group):
+        self.rank, self.world, self.group = rank, world, group
+        self.active: torch.nn.Parameter | None = None
+        self.held_bytes = 0  # slices of every live partitioned parameter + the active full value
+        self.peak_bytes = 0
+        self.partitioned = 0
+
+    def _count(self, delta: int) -> None:
+        self.held_bytes += delta
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def activate(self, p: torch.nn.Parameter, read_values: bool) -> None:
+        """Give ``p`` its full value (all-gathered when the op reads it)."""
+        if self.active is p:
+            return
+        self.flush()
+        info = info_of(p)
+        shard = info.init_shard
+        with torch._C.DisableTorchFunction():
+            full = shard.full_flat() if read_values else torch.empty(shard.numel, dtype=shard.shard.dtype,
+                                                                     device=shard.shard.device)
+            p.data = full.view(info.shape)
+        mark_gathered(p)
+        self.active = p
+        self._count(full.numel() * full.element_size())
+
+    def adopt(self, p: torch.nn.Parameter, name: str) -> None:
+        """A newly registered parameter: it is the active one (its values are whole right now)."""
+        self.flush()
+        with torch._C.DisableTorchFunction():
+            flat = p.detach().reshape(-1)
+            shard = InitShard(flat, self.rank, self.world, self.group)
+        mark_partitioned(p, name, p.shape)
+        mark_gathered(p)
+        info_of(p).init_shard = shard
+        self._count(shard.nbytes + flat.numel() * flat.element_size())
+        weakref.finalize(p, self._count, -shard.nbytes)
+        self.active = p
+        self.partitioned += 1
+
+    def flush(self) -> None:
+        """Cut the active parameter back to its slice."""
+        p = self.active
+        if p is None:
+            return
+        info = info_of(p)
+        shard = info.init_shard
+        with torch._C.DisableTorchFunction():
+            flat = p.detach().reshape(-1)
+            lo, hi = min(shard.rank * shard.chunk, shard.numel), min((shard.rank + 1) * shard.chunk, shard.numel)
+            shard.shard[:hi - lo].copy_(flat[lo:hi])
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        mark_partitioned(p)
+        self.active = None
+        self._count(-flat.numel() * flat.element_size())
+
+
+def _partitioned_args(args, kwargs):
+    found = []
+    for value in (*args, *kwargs.values()):
+        for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(item, torch.nn.Parameter) and getattr(info_of(item), "init_shard", None) is not None:
+                found.append(item)
+    return found
+
+
+class _InitMode(TorchFunctionMode):
+    def __init__(self, state: _InitState):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        targets = [p for p in _partitioned_args(args, kwargs) if p is not self.state.active]
+        if not targets:
+            return func(*args, **kwargs)
+        name = _name(func)
+        first = args[0] if args else None
+        if first is targets[0]:
+            answer = _FULL_METADATA.get(name)
+            if answer is not None:
+                return answer(info_of(first), *args[1:], **kwargs)
+            if name == "data.__get__":
+                return first  # so that p.data.normal_() is seen (and run on the full value) too
+        if name in _PASS_THROUGH:
+            return func(*args, **kwargs)
+        if len(targets) > 1:
+            raise NotImplementedError(f"zero.Init: '{name}' uses several partitioned parameters at once "
+                                      f"({', '.join(info_of(t).name for t in targets)}); build them outside "
+                                      "Init or combine them after initialize()")
+        overwrite = first is targets[0] and name in _OVERWRITE
+        self.state.activate(targets[0], read_values=not overwrite)
+        return func(*args, **kwargs)
+
+
+class Init:
+    """Context manager: modules built inside have their parameters partitioned at construction.
+
+    ``config`` (path, dict or parsed config) is optional; when it names a ZeRO
+    stage other than 3, or ``enabled`` is False, nothing is partitioned.
+    Every rank must build the same modules in the same order, with the same
+    seed (a collective may run when an init op reads a parameter's values).
+    """
+
+    _depth = 0
+
+    def __init__(self, config=None, enabled: bool = True, data_parallel_group=None):
+        self.enabled = enabled and _stage_of(config) in (None, 3)
+        self.group = data_parallel_group
+        self.state: _InitState | None = None
+        self._handle = None
+        self._mode = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest number of parameter bytes held at once while building (slices + the active value)."""
+        return self.state.peak_bytes if self.state is not None else 0
+
+    def __enter__(self):
+        if not self.enabled or Init._depth > 0:
+            Init._depth += 1
+            self._nested = True
+            return self
+        self._nested = False
+        Init._depth += 1
+        comm.init_distributed()
+        self.state = _InitState(comm.get_rank(), comm.get_world_size(self.group), self.group)
+        self._handle = register_module_parameter_registration_hook(self._on_register)
+        self._mode = _InitMode(self.state)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        Init._depth -= 1
+        if self._nested:
+            return False
+        try:
+            self.state.flush()
+        finally:
+            self._mode.__exit__(exc_type, exc, tb)
+            self._handle.remove()
+        return False
+
+    def _on_register(self, module, name, param):
+        if param is None or getattr(info_of(param), "init_shard", None) is not None:
+            return None  # tied: already partitioned under its first owner
+        self.state.adopt(param, name)
+        return None
+
+
+def _stage_of(config) -> int | None:
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        return (config.get("zero_optimization") or {}).get("stage", 0)
+    stage = getattr(getattr(config, "zero_optimization", None), "stage", None)
+    if stage is not None:
+        return stage
+    from zeroengine.config import load_config
+
+    return load_config(config, world_size=comm.get_world_size()).zero_optimization.stage
+
+
+def is_init_partitioned(p: torch.Tensor) -> bool:
+    return getattr(info_of(p), "init_shard", None) is not None
+
+
+class InitReshard:
+    """Re-cuts Init's per-parameter slices into the engine's bucket layout, one parameter at a time.
+
+    The buffer asks for its chunks bucket by bucket (:meth:`chunk`); every rank
+    all-gathers every Init parameter of the bucket in layout order (so the
+    collectives line up) and keeps the pieces that fall in its own chunk. In
+    16-bit training the fp32 pieces are kept too, for the fp32 master chunks
+    (:meth:`fp32_values` stands in for the full fp32 values the optimizer
+    reads, holding only this rank's pieces).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], rank: int, keep_fp32: bool):
+        self.params = params
+        self.rank = rank
+        self.keep_fp32 = keep_fp32
+        self._fp32_pieces: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+
+    def chunk(self, bucket, dtype: torch.dtype) -> torch.Tensor:
+        device = comm.device_for_backend()
+        chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=device)
+        own = {piece.slot.index: piece for piece in bucket.pieces_in_chunk(self.rank)}
+        for slot in bucket.slots:
+            p = self.params[slot.index]
+            if is_init_partitioned(p):
+                flat = info_of(p).init_shard.full_flat()
+            else:
+                flat = p.detach().reshape(-1)
+            piece = own.get(slot.index)
+            if piece is not None:
+                value = flat[piece.param_start:piece.param_end]
+                chunk[piece.chunk_start:piece.chunk_start + piece.numel].copy_(value)
+                if self.keep_fp32:
+                    self._fp32_pieces.setdefault(slot.index, {})[(piece.param_start, piece.param_end)] = \
+                        value.float().clone()
+            del flat
+        return chunk
+
+    def release_init_shards(self) -> None:
+        for p in self.params:
+            info = info_of(p)
+            if info is not None:
+                info.init_shard = None
+
+    def fp32_values(self) -> list:
+        return [_OwnPieces(self._fp32_pieces.setdefault(i, {}), p.device) for i, p in enumerate(self.params)]
+
+
+class _OwnPieces:
+    """A full fp32 parameter value of which only this rank's pieces exist.
+
+    ``flat_params.gather_chunk`` reads exactly ``value.detach().reshape(-1)[start:end]`` for the pieces
+    in this rank's chunk; that is all this object supports.
+    """
+
+    def __init__(self, pieces: dict[tuple[int, int], torch.Tensor], device: torch.device):
+        self._pieces = pieces
+        self.device = device
+
+    def detach(self):
+        return self
+
+    def reshape(self, *_shape):
+        return self
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        return self._pieces[(where.start, where.stop)]

@@ -1,0 +1,168 @@
+"""The marker a stage-3 parameter carries while it is partitioned: its full shape, and a clear error on use.
+
+Note: why a class swap on the parameter, and an empty placeholder.
+Between uses a partitioned parameter's ``.data`` is a 0-element tensor (this
+rank's values live in a flat shard elsewhere). DeepSpeed leaves it at that,
+and its users see zero-sized tensors, shape errors far from the cause, or
+silently empty results (``p.data.fill_`` on 0 elements does nothing). Here a
+partitioned parameter's Python class is switched to :class:`PartitionedParameter`
+when it is released and back to ``nn.Parameter`` when it is gathered, so
+
+* while gathered (inside the module's forward/backward, or inside
+  ``GatheredParameters``) it is a plain Parameter: no per-op overhead at all;
+* while partitioned, Python code that *reads or writes its values* (any torch
+  function or method, ``.data``, ``state_dict()``'s ``detach``) raises
+  :class:`PartitionedParameterError` naming the parameter and the ways to get
+  its values (``GatheredParameters``, ``safe_get_full_fp32_param``);
+* metadata still answers for the *full* parameter: ``shape``, ``size()``,
+  ``numel()``, ``dim()`` (so ``sum(p.numel() ...)`` counts the real model),
+  ``dtype``, ``device``, ``requires_grad``, ``grad`` (None), hashing.
+
+The placeholder stays 0-element on purpose: C++ code that bypasses Python
+(autograd unpacking a saved parameter that was released too early) fails with
+a shape error instead of computing with stand-in values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class PartitionedParameterError(RuntimeError):
+    """A partitioned (stage-3) parameter was used outside the engine's forward/backward."""
+
+
+@dataclass
+class ShardInfo:
+    """What a partitioned parameter remembers about itself (the one attribute it carries: ``_ze``)."""
+
+    name: str
+    shape: torch.Size
+    # Set by zero.Init before initialize(): this rank's flat slice (see zeroengine.zero.init); None once an
+    # engine's partitioned buffer owns the values.
+    init_shard: object = None
+
+
+def _name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(func, "__self__", None)
+        return f"{getattr(owner, '__name__', '?')}.{name}"
+    return name
+
+
+# Answered for the full parameter, from ShardInfo.shape.
+def _size(info, *args, **kwargs):
+    dim = args[0] if args else kwargs.get("dim")
+    return info.shape if dim is None else info.shape[dim]
+
+
+_FULL_METADATA = {
+    "shape.__get__": lambda info: info.shape,
+    "size": _size,
+    "numel": lambda info: info.shape.numel(),
+    "nelement": lambda info: info.shape.numel(),
+    "dim": lambda info: len(info.shape),
+    "ndimension": lambda info: len(info.shape),
+    "ndim.__get__": lambda info: len(info.shape),
+    "__len__": lambda info: info.shape[0],
+}
+
+# Run on the placeholder itself: they do not read values.
+_PASS_THROUGH = frozenset({
+    "dtype.__get__", "device.__get__", "layout.__get__", "requires_grad.__get__", "requires_grad.__set__",
+    "requires_grad_", "is_leaf.__get__", "grad.__get__", "grad.__set__", "grad_fn.__get__", "data.__set__",
+    "is_floating_point", "is_complex", "element_size", "untyped_storage", "is_cuda.__get__", "is_cpu.__get__",
+    "is_meta.__get__", "is_sparse.__get__", "is_quantized.__get__", "is_nested.__get__", "_is_view",
+    "__hash__", "_has_compatible_shallow_copy_type", "register_hook", "register_post_accumulate_grad_hook",
+    "_backward_hooks.__get__", "_backward_hooks.__set__", "_post_accumulate_grad_hooks.__get__",
+    "_post_accumulate_grad_hooks.__set__", "name.__get__", "names.__get__",
+    "storage_offset", "data_ptr", "get_device", "is_contiguous", "stride",
+})
+
+# Conversions (module.to(...) walks every parameter): a no-op is fine; a real one needs the values.
+_CONVERSIONS = frozenset({"to", "float", "half", "bfloat16", "double", "cpu", "cuda", "type"})
+
+
+class PartitionedParameter(torch.nn.Parameter):
+    """The class of a stage-3 parameter while it is partitioned (see module note)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        target = next((a for a in args if isinstance(a, PartitionedParameter)), None)
+        if target is None:
+            target = _first_partitioned(args, kwargs)
+        if target is not None and args and args[0] is target:
+            info = target._ze
+            answer = _FULL_METADATA.get(name)
+            if answer is not None:
+                return answer(info, *args[1:], **kwargs)
+            if name == "__repr__" or name == "__format__":
+                return describe(target)
+        with torch._C.DisableTorchFunctionSubclass():
+            if target is None or name in _PASS_THROUGH:
+                return func(*args, **kwargs)
+            if name in _CONVERSIONS and target is args[0]:
+                converted = func(*args, **kwargs)
+                if converted is target:
+                    return converted
+                convert = getattr(target._ze.init_shard, "convert", None)
+                if convert is not None:  # zero.Init shard before initialize(): convert the shard alongside
+                    return convert(target, func, args[1:], kwargs)
+        raise PartitionedParameterError(_message(target, name))
+
+    def __repr__(self):
+        return describe(self)
+
+
+def _first_partitioned(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, PartitionedParameter):
+                    return item
+    return None
+
+
+def describe(p) -> str:
+    info = p._ze
+    return (f"PartitionedParameter({info.name}, shape={tuple(info.shape)}, dtype={p.dtype}; partitioned across "
+            f"ranks: read it inside zeroengine.zero.GatheredParameters)")
+
+
+def _message(p, op: str) -> str:
+    info = p._ze
+    return (f"parameter {info.name!r} (shape {tuple(info.shape)}) is partitioned across ranks by ZeRO stage 3 "
+            f"and holds no values here, so '{op}' cannot run on it outside the engine's forward/backward. "
+            f"To read or edit it, wrap the code in `with zeroengine.zero.GatheredParameters([param], "
+            f"modifier_rank=...)` (collective: every rank enters it), or use "
+            f"zeroengine.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value).")
+
+
+def mark_partitioned(p: torch.nn.Parameter, name: str | None = None, shape: torch.Size | None = None) -> None:
+    """From now on ``p`` is a placeholder: give it the marker (name and full shape are kept from before)."""
+    info = p.__dict__.get("_ze")
+    if info is None:
+        info = ShardInfo(name or "<unnamed>", torch.Size(shape if shape is not None else p.shape))
+        p.__dict__["_ze"] = info
+    elif name is not None:
+        info.name = name
+    p.__class__ = PartitionedParameter
+
+
+def mark_gathered(p: torch.nn.Parameter) -> None:
+    """``p`` holds its full value again: a plain Parameter (no checks, no overhead)."""
+    p.__class__ = torch.nn.Parameter
+
+
+def info_of(p: torch.Tensor) -> ShardInfo | None:
+    return p.__dict__.get("_ze") if isinstance(p, torch.nn.Parameter) else None
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """The full shape of a parameter, partitioned or not."""
+    info = info_of(p)
+    return info.shape if info is not None else p.shape

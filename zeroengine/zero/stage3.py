@@ -1,0 +1,88 @@
+"""Stage 3's optimizer wrapper and how its parameters are split into buffers.
+
+The step is stage 2's (:class:`ShardedOptimizer`: each rank steps its chunk
+of every bucket); what stage 3 adds is where the parameters live:
+
+* trainable parameters are partitioned in the optimizer's buffer; those
+  with fewer than ``stage3_param_persistence_threshold`` elements go to
+  *persistent* buckets at the end of the layout, which stay gathered on
+  every rank (their gradients and optimizer state are still partitioned);
+* frozen parameters (``requires_grad=False``, or not given to the optimizer)
+  are partitioned in a buffer of their own, gathered for forward and
+  backward like the others, and never get gradients or optimizer state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeroengine.memory import MemoryTally
+
+from .param_guard import full_shape
+from .sharded import ShardedOptimizer
+
+
+@dataclass
+class Stage3Params:
+    """The model's parameters in stage-3 order, with the unit (segment) each belongs to."""
+
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    segments: list[int]
+    persistent_from: int  # params[persistent_from:] are persistent
+
+
+def split_params(module: torch.nn.Module, trainable_ids: set[int], persistence_threshold: int):
+    """(trainable, frozen) :class:`Stage3Params`: one unit per module owning parameters, in reverse module
+    order (backward order); a shared parameter belongs to the first module met; persistent ones last."""
+    names = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    picked = {True: ([], []), False: ([], [])}  # trainable? -> (partitioned, persistent) lists of (p, unit)
+    seen = set()
+    for unit, m in enumerate(reversed(list(module.modules()))):
+        for p in m._parameters.values():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            persistent = full_shape(p).numel() < persistence_threshold
+            picked[id(p) in trainable_ids][persistent].append((p, unit))
+    out = []
+    for trainable in (True, False):
+        partitioned, persistent = picked[trainable]
+        ordered = partitioned + persistent
+        out.append(Stage3Params([p for p, _ in ordered], [names.get(id(p), "?") for p, _ in ordered],
+                                [u for _, u in partitioned] + [-1] * len(persistent), len(partitioned)))
+    return out
+
+
+def persistent_buckets(layout, persistent_from: int) -> frozenset[int]:
+    return frozenset(b.index for b in layout.buckets if b.slots[0].index >= persistent_from)
+
+
+class Stage3Optimizer(ShardedOptimizer):
+    """:class:`ShardedOptimizer` plus stage 3's hooks and frozen-parameter buffer (for accounting and stats)."""
+
+    hooks = None
+    frozen_params = None
+
+    def fetch_stats(self) -> dict:
+        """Gathers issued, prefetches, live elements (both buffers share one FetchStats)."""
+        s = self.flat_params.stats
+        stats = {k: getattr(s, k) for k in ("on_demand", "prefetched", "waited_in_flight", "gathered_numel",
+                                             "live_numel", "peak_live_numel")}
+        if self.hooks is not None:
+            trace = self.hooks.trace
+            stats.update(trace_state=trace.state.value, trace_events=len(trace.events),
+                         trace_recordings=trace.recordings, trace_divergences=trace.divergences)
+        return stats
+
+    def reset_fetch_stats(self) -> None:
+        self.flat_params.stats.reset()
+
+    def memory_tally(self) -> MemoryTally:
+        tally = super().memory_tally()
+        if self.frozen_params is not None:
+            tally.add("params", self.frozen_params.held_tensors())
+        return tally
