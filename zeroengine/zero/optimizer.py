@@ -85,6 +85,9 @@ class ZeroOptimizer:
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         raise NotImplementedError
 
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+
     def _refresh_model_params(self) -> None:
         raise NotImplementedError
 
@@ -124,7 +127,7 @@ class ZeroOptimizer:
             coef = self.gradient_clipping / (norm + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
+        self._optimizer_step()
         self._refresh_model_params()
         self.zero_grad()
         return StepResult(applied=True, grad_norm=norm, loss_scale=scale_before)

@@ -46,14 +46,21 @@ class ShardedOptimizer(ZeroOptimizer):
         if offload is not None:
             self.chunks = [self._to_host(c) for c in self.chunks]
         self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
+        # Offloaded 16-bit training with the C++ CPU Adam: the kernel writes each updated value out in
+        # the model's dtype in the same pass (into pinned buffers), so the copy back needs no conversion.
+        self.copy_out: list[torch.Tensor] | None = None
+        if offload is not None and policy.mixed and hasattr(optimizer, "step_with_copy"):
+            self.copy_out = [self._host_buffer(c.shape, policy.param_dtype).copy_(c) for c in self.chunks]
+        self._stepped_with_copy = False
         self._fp32_chunk_grads: list[torch.Tensor] = []
         self._after_backward = after_backward
 
     def _to_host(self, chunk: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(chunk.shape, dtype=torch.float32, device="cpu",
+        return self._host_buffer(chunk.shape, torch.float32).copy_(chunk)
+
+    def _host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="cpu",
                            pin_memory=bool(self.offload.pin_memory) and torch.cuda.is_available())
-        host.copy_(chunk)
-        return host
 
     @property
     def has_master_copy(self) -> bool:
@@ -111,9 +118,21 @@ class ShardedOptimizer(ZeroOptimizer):
         total = comm.all_reduce_scalar(self.local_norm_sq(grads), group=self.group)
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
+    def _optimizer_step(self) -> None:
+        if self.copy_out is None:
+            self.optimizer.step()
+            return
+        targets = {piece: self.copy_out[b][where.chunk_start:where.chunk_start + where.numel]
+                   for b, (bucket, pieces) in enumerate(zip(self.layout.buckets, self.pieces))
+                   for where, piece in zip(bucket.pieces_in_chunk(self.rank), pieces)}
+        self.optimizer.step_with_copy(targets)
+        self._stepped_with_copy = True
+
     def _refresh_model_params(self) -> None:
         # Stages 1-2 all-gather the updated chunks; stage 3 only refreshes its local shard.
-        self.flat_params.after_step(self.chunks)
+        fused = self._stepped_with_copy
+        self._stepped_with_copy = False
+        self.flat_params.after_step(self.copy_out if fused else self.chunks)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_store.zero()
@@ -131,6 +150,8 @@ class ShardedOptimizer(ZeroOptimizer):
         tally.add("grads", self._fp32_chunk_grads)
         if self.has_master_copy:
             tally.add("master_params", self.chunks)
+        if self.copy_out is not None:
+            tally.add("buffers", self.copy_out)
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         tally.add("buffers", self.grad_store.comm_buffers())
