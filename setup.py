@@ -1,4 +1,32 @@
-"""Thin setup.py so `pip install -e .` works with older pips; metadata lives in pyproject.toml."""
-from setuptools import setup
+"""Thin setup.py so `pip install -e .` works with older pips; metadata lives in pyproject.toml.
 
-setup()
+``ZEROENGINE_BUILD_OPS=1 pip install .`` (or ``-e .``) also builds every op this
+machine can build, ahead of time, into the JIT cache (see zeroengine/ops/build_all.py),
+and fails the install if one of them fails to build.
+"""
+import os
+import subprocess
+import sys
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def build_ops_ahead_of_time() -> None:
+    # pip builds in an isolated environment without torch; the build runs in the
+    # interpreter's own environment, where torch is installed.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+    env["PYTHONPATH"] = HERE
+    subprocess.run([sys.executable, "-m", "zeroengine.ops.build_all"], cwd=HERE, env=env, check=True)
+
+
+class BuildPyWithOps(build_py):
+    def run(self):
+        super().run()
+        if os.environ.get("ZEROENGINE_BUILD_OPS", "0") not in ("", "0"):
+            build_ops_ahead_of_time()
+
+
+setup(cmdclass={"build_py": BuildPyWithOps})

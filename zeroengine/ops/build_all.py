@@ -3,9 +3,8 @@
     python -m zeroengine.ops.build_all [--verbose]
 
 Builds into the same cache that the JIT path uses (see cache.py), so a later
-``load()`` finds the build and imports it without compiling. Planned install
-hook (setup.py, not wired yet): ``ZEROENGINE_BUILD_OPS=1 pip install -e .``
-calls ``build_all()`` after installing.
+``load()`` finds the build and imports it without compiling. The install
+hook in setup.py runs it: ``ZEROENGINE_BUILD_OPS=1 pip install -e .``.
 """
 from __future__ import annotations
 
