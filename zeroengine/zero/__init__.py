@@ -1,7 +1,9 @@
 """ZeRO stages: one strategy object per stage, built by :func:`factory.build_zero_optimizer`.
 
-Public: ``GatheredParameters`` (full stage-3 parameters inside a ``with`` block) and the
-full-value helpers for sharded parameters (``safe_get_full_fp32_param`` and friends).
+Public: ``Init`` (build a model with its parameters partitioned from the start),
+``GatheredParameters`` (full stage-3 parameters inside a ``with`` block), the full-value
+helpers for sharded parameters (``safe_get_full_fp32_param`` and friends), and the error a
+partitioned parameter raises when used outside the engine (``PartitionedParameterError``).
 """
 from .full_values import (
     safe_get_full_fp32_param,
@@ -11,6 +13,8 @@ from .full_values import (
     safe_set_full_optimizer_state,
 )
 from .gathered import GatheredParameters, is_partitioned
+from .init import Init
+from .param_guard import PartitionedParameterError
 
-__all__ = ["GatheredParameters", "is_partitioned", "safe_get_full_fp32_param", "safe_get_full_grad",
+__all__ = ["GatheredParameters", "Init", "PartitionedParameterError", "is_partitioned", "safe_get_full_fp32_param", "safe_get_full_grad",
            "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_optimizer_state"]

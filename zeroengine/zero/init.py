@@ -129,7 +129,36 @@ class _InitState:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         mark_partitioned(p)
         self.active = None
-        self._count(-flat.numel() * flat.element_size())
+        nbytes = flat.numel() * flat.element_size()
+        del flat
+        self._count(-nbytes)
+        if nbytes >= _TRIM_ABOVE and p.device.type == "cpu":
+            _return_free_heap()
+
+
+# Note: returning freed full values to the OS.
+# glibc keeps freed memory in its heap; the next full parameter is a fresh
+# allocation while the slices kept in between fragment the holes, so without
+# help the process's resident memory would grow by about one full parameter per
+# parameter built, exactly what Init is meant to avoid (measured: 116 MiB of
+# RSS growth for a 48 MiB model on 2 ranks, 28 MiB after trimming). So after a
+# large full value is dropped, free heap pages go back to the OS (malloc_trim;
+# a few ms, once per large parameter, only while building).
+_TRIM_ABOVE = 1 << 20
+_trim = None
+
+
+def _return_free_heap() -> None:
+    global _trim
+    if _trim is None:
+        try:
+            import ctypes
+
+            _trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _trim = False
+    if _trim:
+        _trim(0)
 
 
 def _partitioned_args(args, kwargs):
@@ -165,7 +194,9 @@ class _InitMode(TorchFunctionMode):
             raise NotImplementedError(f"zero.Init: '{name}' uses several partitioned parameters at once "
                                       f"({', '.join(info_of(t).name for t in targets)}); build them outside "
                                       "Init or combine them after initialize()")
-        overwrite = first is targets[0] and name in _OVERWRITE
+        # torch.nn.init's functions (kaiming_uniform_, normal_, orthogonal_, ...) each overwrite the whole
+        # tensor: it becomes active without its old values and the function runs on it as usual.
+        overwrite = first is targets[0] and (name in _OVERWRITE or getattr(func, "__module__", "") == "torch.nn.init")
         self.state.activate(targets[0], read_values=not overwrite)
         return func(*args, **kwargs)
 

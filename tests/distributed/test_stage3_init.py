@@ -1,0 +1,159 @@
+"""zero.Init: parameters partitioned at construction, identical to an ordinary build, trainable like one,
+and a build's peak parameter memory about 1/N of the model."""
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import zeroengine
+from model import GPT
+from parity import TINY, base_config, global_batches, make_model, reference_run
+from zeroengine.testing import run_distributed
+from zeroengine.zero import GatheredParameters, Init, PartitionedParameterError, is_partitioned
+
+STEPS = 4
+
+
+def _init_gpt(seed: int = 0):
+    torch.manual_seed(seed)
+    with Init() as ctx:
+        model = GPT(TINY)
+    return model, ctx
+
+
+def _build(rank, world):
+    model, ctx = _init_gpt()
+    counted = sum(p.numel() for p in model.parameters())  # the marker reports full shapes
+    all_partitioned = all(is_partitioned(p) for p in model.parameters())
+    try:
+        model.wte.weight.sum()
+        raised = ""
+    except PartitionedParameterError as exc:
+        raised = str(exc)
+    with GatheredParameters(list(model.parameters())):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    after_gather_partitioned = all(is_partitioned(p) for p in model.parameters())
+    return state, counted, all_partitioned, raised, ctx.peak_bytes, after_gather_partitioned
+
+
+def test_init_gives_every_rank_the_values_of_an_ordinary_build():
+    ref = make_model()
+    want = ref.state_dict()
+    full_bytes = sum(p.numel() * 4 for p in ref.parameters())
+    largest = max(p.numel() * 4 for p in ref.parameters())
+    for state, counted, partitioned, raised, peak, still in run_distributed(_build, 2):
+        assert set(state) == set(want)
+        for name, value in want.items():
+            assert torch.equal(state[name], value), name  # same ops, same RNG stream: bit for bit
+        assert counted == ref.num_params() and partitioned and still
+        assert "wte.weight" in raised or "weight" in raised
+        assert "GatheredParameters" in raised
+        # slices of everything (1/2) plus at most the parameter being initialised
+        assert peak <= full_bytes / 2 + largest + 1024, (peak, full_bytes)
+
+
+def _train(rank, world, dtype, gas, use_init):
+    cfg = base_config(2, gas, world, 0.5, dtype=dtype, stage=3)
+    model = _init_gpt()[0] if use_init else make_model()
+    engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
+    losses = []
+    for step in global_batches(STEPS, gas, world, 2):
+        for micro in step:
+            x, y = micro[rank]
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    with GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return losses, state, engine.memory_breakdown()["params"], engine.optimizer.layout.shard_numel
+
+
+def test_model_built_under_init_trains_like_the_single_process_reference():
+    world, gas = 2, 2
+    _, ref_params = reference_run(STEPS, gas, world, micro=2, clip=0.5)
+    for _, state, held, shard_numel in run_distributed(_train, world, "fp32", gas, True):
+        for name, want in ref_params.items():
+            torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert held == 4 * shard_numel  # only this rank's shard is held (no persistence in base_config)
+
+
+def test_16bit_under_init_is_bitwise_the_ordinary_build():
+    # fp32 masters come from the fp32 Init slices, so training is exactly that of an ordinary build
+    plain = run_distributed(_train, 2, "bf16", 1, False)
+    built = run_distributed(_train, 2, "bf16", 1, True)
+    for (lp, sp, _, _), (li, si, _, _) in zip(plain, built):
+        assert lp == li
+        for name in sp:
+            assert torch.equal(sp[name], si[name]), name
+
+
+def _edit_before_initialize(rank, world):
+    model, _ = _init_gpt()
+    with GatheredParameters([model.ln_f.weight], modifier_rank=0):
+        if rank == 0:  # e.g. loading a pretrained value on one rank
+            model.ln_f.weight.data.fill_(0.75)
+    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(2, 1, world, 0.0, stage=3))
+    return zeroengine.zero.safe_get_full_fp32_param(engine.module.ln_f.weight)
+
+
+def test_gathered_parameters_edits_an_init_model_before_initialize():
+    for value in run_distributed(_edit_before_initialize, 2):
+        assert torch.equal(value, torch.full((TINY.n_embd,), 0.75))
+
+
+# -- peak memory while building -------------------------------------------------------------
+
+WIDTH, DEPTH = 1024, 16  # 16 x 4 MiB fp32 weights: 64 MiB of parameters
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH))
+        for layer in self.layers:  # a model's own init after construction, as GPT does
+            nn.init.normal_(layer.weight, std=0.02)
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _build_peak(rank, world, use_init):
+    """Peak RSS growth (bytes) while building ``Wide``: VmHWM is reset first (clear_refs 5)."""
+    # First-use costs (code paths of construction and init, under Init or not) before the baseline.
+    if use_init:
+        with Init():
+            nn.Linear(16, 16)
+    else:
+        nn.Linear(16, 16)
+    torch.manual_seed(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    if use_init:
+        with Init() as ctx:
+            model = Wide()
+        counted = ctx.peak_bytes
+    else:
+        model = Wide()
+        counted = sum(p.numel() * 4 for p in model.parameters())
+    growth = (_status_kib("VmHWM") - before) * 1024
+    del model
+    return growth, counted
+
+
+def test_building_under_init_peaks_at_about_one_over_n_of_the_parameters():
+    world = 2
+    full = DEPTH * WIDTH * WIDTH * 4
+    layer = WIDTH * WIDTH * 4
+    plain = run_distributed(_build_peak, 1, False)[0][0]
+    results = run_distributed(_build_peak, world, True)
+    assert plain >= 0.9 * full  # the measurement sees an ordinary build's parameters
+    for growth, counted in results:
+        # Init's own count: slices (full / N) plus the one layer being initialised
+        assert counted <= full / world + layer + 4096, counted
+        # and the process really grew by about that much, not by the model
+        assert growth <= full / world + 2 * layer + 4 * 2**20, (growth / 2**20, full / 2**20)
