@@ -39,21 +39,27 @@ def all_reduce_mean_in_buckets(
     bucket_bytes: int,
     group=None,
     comm_dtype: torch.dtype | None = None,
+    divisor: int | None = None,
 ) -> None:
     """Average ``tensors`` across the group in place, bucket by bucket.
 
     The sum is taken first and divided after (DeepSpeed's default
     "postscale"), so fp32 results are the plain mean up to summation order.
     ``comm_dtype`` lets 16-bit gradients travel in fp32 when asked for.
+    ``divisor`` replaces the group size as the denominator (MoE expert
+    gradients: summed over their expert-data-parallel group, averaged over the world).
     """
     world = collectives.dist.get_world_size(group)
+    divisor = divisor or world
     if world == 1:
+        if divisor != 1:
+            torch._foreach_div_(tensors, divisor)
         return
     for bucket in iter_buckets(tensors, bucket_bytes):
         flat = _flatten_dense_tensors(bucket)
         if comm_dtype is not None and flat.dtype != comm_dtype:
             flat = flat.to(comm_dtype)
         collectives.all_reduce(flat, group=group)
-        flat.div_(world)
+        flat.div_(divisor)
         for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             dst.copy_(src)

@@ -39,8 +39,12 @@ MAX_BUCKETS_IN_FLIGHT = 2
 class _BucketReducer:
     """Reduce-scatter of one bucket buffer into this rank's (averaged) chunk, optionally async."""
 
-    def __init__(self, rank: int, world: int, group, comm_dtype: torch.dtype | None, overlap: bool):
+    def __init__(self, rank: int, world: int, group, comm_dtype: torch.dtype | None, overlap: bool,
+                 divisor: int | None = None):
         self.rank, self.world, self.group = rank, world, group
+        # The sum is divided by the group size, except for MoE expert gradients: reduced over their
+        # expert-data-parallel group but averaged over the whole data-parallel world (zeroengine.zero.moe_split).
+        self.divisor = divisor or world
         self.comm_dtype = comm_dtype
         self.overlap = overlap
         self._in_flight: list[tuple[object, torch.Tensor, Bucket, torch.Tensor]] = []
@@ -64,7 +68,7 @@ class _BucketReducer:
             work, out, bucket, buffer = self._in_flight.pop(0)
             if work is not None:
                 work.wait()
-            yield bucket, out.div_(self.world), buffer
+            yield bucket, out.div_(self.divisor), buffer
 
 
 class _InOrderLauncher:

@@ -1,0 +1,208 @@
+"""ZeRO stages 0-2 for models with MoE layers: expert parameters form their own reduction domain.
+
+Note: expert gradients. An expert parameter lives on the W/E ranks of its
+expert-data-parallel (EDP) group (W ranks, ``ep_size`` E). Its local gradient
+already sums the contributions of all tokens its expert-parallel group routed
+to it (the all-to-all backward brought them home), so the EDP group's sum
+covers every rank's tokens once. Dense gradients are averaged over the W
+ranks; to mean the same thing, expert gradients are summed over the EDP group
+and divided by W, not W/E (so results do not depend on ``ep_size``). ZeRO
+stages 1-2 partition expert parameters, their gradients and optimizer state
+within the EDP group: every expert element is owned by exactly one rank of
+the world, as every dense element is.
+
+Note: global gradient norm. Clipping uses the norm over all parameters, each
+counted once. Stages 1-2: every element (dense or expert) is owned by one
+rank, so one world all-reduce of the per-rank sums of squares. Stage 0:
+dense gradients are replicated (local sum); expert gradients are replicated
+across an EDP group, and each expert-parallel group holds every expert once,
+so the expert part is summed over the expert-parallel group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zeroengine import comm
+from zeroengine.comm.bucketing import all_reduce_mean_in_buckets
+from zeroengine.memory import MemoryTally
+
+from .flat_params import FlatParamBuffer
+from .gathered import register_partitioned
+from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
+from .layout import build_layout
+from .optimizer import StatePiece, ZeroOptimizer
+from .sharded import ShardedOptimizer
+from .stage0 import DataParallelOptimizer
+
+
+@dataclass
+class ParamDomain:
+    """Parameters reduced (and, at stages 1-2, partitioned) over one process group."""
+
+    params: list[torch.nn.Parameter]
+    group: object  # None: the world
+    rank: int  # in ``group``
+    world: int  # size of ``group``
+    divisor: int  # what the gradient sum is divided by
+    norm_group: object = None  # stage 0: over which group the replicated norm parts add up
+    is_expert: bool = False
+
+
+def split_domains(params: list[torch.nn.Parameter]) -> list[ParamDomain]:
+    """The dense domain first, then one per ``ep_size`` among the expert parameters; [] without experts."""
+    from zeroengine.moe.params import expert_tag
+    from zeroengine.moe.groups import expert_groups
+
+    dense, by_ep = [], {}
+    for p in params:
+        tag = expert_tag(p)
+        if tag is None:
+            dense.append(p)
+        else:
+            by_ep.setdefault(tag.ep_size, []).append(p)
+    if not by_ep:
+        return []
+    world = comm.get_world_size()
+    domains = [ParamDomain(dense, None, comm.get_rank(), world, world)]
+    for ep_size in sorted(by_ep):
+        groups = expert_groups(ep_size)
+        domains.append(ParamDomain(by_ep[ep_size], groups.edp_group, groups.edp_rank, groups.edp_size, world,
+                                   norm_group=groups.ep_group, is_expert=True))
+    return domains
+
+
+class ExpertDataParallelOptimizer(DataParallelOptimizer):
+    """Stage 0 with expert domains (see the module notes)."""
+
+    def __init__(self, *args, domains: list[ParamDomain], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.expert_domains = [d for d in domains if d.is_expert]
+        expert_ids = {id(p) for d in self.expert_domains for p in d.params}
+        self.trainable = [p for p in self.trainable if id(p) not in expert_ids]  # the dense all-reduce
+        self._stepped_grads_of: list[set[int]] = []
+
+    def finish_backward(self, is_boundary: bool) -> None:
+        super().finish_backward(is_boundary)
+        if not is_boundary:
+            return
+        for d in self.expert_domains:
+            for p in d.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_reduce_mean_in_buckets([p.grad for p in d.params], self.reduce_bucket_bytes, group=d.group,
+                                       comm_dtype=self.comm_dtype, divisor=d.divisor)
+
+    def _stepped(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self.master_weights.master_of[id(p)] if self.master_weights is not None else p
+
+    def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        grads = super()._unscaled_fp32_grads(inv_scale)
+        self._stepped_grads_of = [{id(self._stepped(p).grad) for p in d.params} for d in self.expert_domains]
+        return grads
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        expert_ids = set().union(*self._stepped_grads_of) if self._stepped_grads_of else set()
+        total = self.local_norm_sq([g for g in grads if id(g) not in expert_ids])
+        for d, ids in zip(self.expert_domains, self._stepped_grads_of):
+            part = self.local_norm_sq([g for g in grads if id(g) in ids])
+            total += comm.all_reduce_scalar(part, group=d.norm_group)
+        return math.sqrt(total) if math.isfinite(total) else float("inf")
+
+    def checkpoint_pieces(self) -> list[StatePiece]:
+        # An expert parameter is replicated over its EDP group only: one of that group writes it.
+        group_of = {id(p): d.group for d in self.expert_domains for p in d.params}
+        return [dataclasses.replace(piece, group=group_of[id(piece.param)]) if id(piece.param) in group_of else piece
+                for piece in super().checkpoint_pieces()]
+
+
+class ExpertShardedOptimizer(ZeroOptimizer):
+    """Stages 1-2 with expert domains: one :class:`ShardedOptimizer` per domain, one torch optimizer."""
+
+    def __init__(self, parts: list[ShardedOptimizer], optimizer, policy, loss_scaler, gradient_clipping):
+        super().__init__(optimizer, policy, loss_scaler, gradient_clipping)
+        self.parts = parts
+        self.module = parts[0].module
+
+    def begin_backward(self, is_boundary: bool) -> None:
+        for part in self.parts:
+            part.begin_backward(is_boundary)
+
+    def finish_backward(self, is_boundary: bool) -> None:
+        for part in self.parts:
+            part.finish_backward(is_boundary)
+
+    def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        return [g for part in self.parts for g in part._unscaled_fp32_grads(inv_scale)]
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        total = comm.all_reduce_scalar(self.local_norm_sq(grads))  # every element owned once in the world
+        return math.sqrt(total) if math.isfinite(total) else float("inf")
+
+    def _refresh_model_params(self) -> None:
+        for part in self.parts:
+            part._refresh_model_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def memory_tally(self) -> MemoryTally:
+        tally = MemoryTally()  # one tally, so storages shared between parts count once
+        for part in self.parts:
+            tally.add("params", part.flat_params.held_tensors())
+        tally.add("params", self.module.parameters())
+        for part in self.parts:
+            tally.add("grads", part.grad_store.held_tensors())
+            tally.add("grads", part._fp32_chunk_grads)
+            if part.has_master_copy:
+                tally.add("master_params", part.chunks)
+        tally.add_optimizer_state(self.optimizer)
+        tally.add("buffers", self.module.buffers())
+        for part in self.parts:
+            tally.add("buffers", part.grad_store.comm_buffers())
+        return tally
+
+    def checkpoint_params(self) -> list[torch.nn.Parameter]:
+        return [p for part in self.parts for p in part.checkpoint_params()]
+
+    def checkpoint_pieces(self) -> list[StatePiece]:
+        return [piece for part in self.parts for piece in part.checkpoint_pieces()]
+
+    def after_checkpoint_load(self) -> None:
+        for part in self.parts:
+            part.after_checkpoint_load()
+
+
+def build_sharded_with_experts(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype,
+                               domains: list[ParamDomain]) -> ExpertShardedOptimizer:
+    """Stages 1-2: a flat buffer, gradient store and sharded optimizer per domain."""
+    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    # fp32 values of every domain before any cast (the masters start from exact weights).
+    fp32_values = [[p.detach() for p in d.params] if policy.mixed else None for d in domains]
+    flats = []
+    for d in domains:
+        layout = build_layout([p.numel() for p in d.params], d.world, int(zero_config.reduce_bucket_size))
+        flats.append(FlatParamBuffer(d.params, layout, policy.param_dtype, d.rank, group=d.group))
+    module.to(policy.param_dtype)
+    parts, merged = [], [[] for _ in optimizer.param_groups]
+    for d, flat, values in zip(domains, flats, fp32_values):
+        reducer = _BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
+                                 divisor=d.divisor)
+        grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
+        part = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, values, grad_store, d.rank,
+                                group=d.group, offload=zero_config.offload_optimizer)
+        # adopt_param_groups replaces the groups' params with this part's pieces: collect, merge below.
+        part.adopt_param_groups([group_of[id(p)] for p in d.params])
+        for i, g in enumerate(optimizer.param_groups):
+            merged[i].extend(g["params"])
+        for bucket in flat.layout.buckets:
+            for slot in bucket.slots:
+                register_partitioned(d.params[slot.index], flat, bucket.index, part, slot.index)
+        parts.append(part)
+    for g, params in zip(optimizer.param_groups, merged):
+        g["params"] = params
+    return ExpertShardedOptimizer(parts, optimizer, policy, loss_scaler, clip)
