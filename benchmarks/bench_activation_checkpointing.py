@@ -1,6 +1,6 @@
 """Activation checkpointing side by side: peak activation memory and step time of the example GPT.
 
-    python benchmarks/bench_activation_checkpointing.py [--quick] [--out benchmarks/results/activation_checkpointing.json]
+    python benchmarks/bench_activation_checkpointing.py [--quick] [--device cpu|cuda] [--out FILE.json]
 
 Method
 ------

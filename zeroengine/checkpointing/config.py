@@ -134,8 +134,8 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None, cont
     validate(ActivationCheckpointingConfig, values, prefix=(_SECTION,))
     group, world, rank = _model_parallel(mpu_)
     if values["partition_activations"] and world == 1:
-        logger.info("activation_checkpointing.partition_activations: no model-parallel group of more than one "
-                    "rank (pass mpu to initialize/configure), so saved inputs are kept whole; it has no effect")
+        logger.warning("activation_checkpointing.partition_activations: no model-parallel group of more than one "
+                       "rank (pass mpu to initialize/configure), so saved inputs are kept whole; it has no effect")
     _SETTINGS = Settings(**values, mp_group=group, mp_world_size=world, mp_rank=rank, configured=True)
     from .storage import release_arenas
 

@@ -24,8 +24,12 @@ def _gpt(wrap: bool) -> GPT:
     return model
 
 
-def _stage3_run(rank, world, wrap: bool, steps: int = 3):
-    engine, _, _, _ = zeroengine.initialize(model=_gpt(wrap), config=base_config(2, 1, world, 1.0, stage=3))
+def _stage3_run(rank, world, wrap: bool, steps: int = 3, options=None):
+    config = base_config(2, 1, world, 1.0, stage=3)
+    checkpointing.reset()
+    if options is not None:  # through initialize, as a user's config would
+        config["activation_checkpointing"] = options
+    engine, _, _, _ = zeroengine.initialize(model=_gpt(wrap), config=config)
     params = dict(engine.module.named_parameters())
     torch.manual_seed(100 + rank)  # each rank its own dropout masks, the same with and without checkpointing
     losses, grads = [], []
@@ -43,12 +47,27 @@ def _stage3_run(rank, world, wrap: bool, steps: int = 3):
     return losses, grads, final, engine.memory_breakdown()["params"], fetch
 
 
-def _stage3_both(rank, world):
-    return _stage3_run(rank, world, wrap=False), _stage3_run(rank, world, wrap=True)
+# One step each with the storage options (partitioning has no model-parallel group here: kept whole).
+_STAGE3_OPTIONS = [
+    {"cpu_checkpointing": True},
+    {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 2},
+    {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 2,
+     "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True, "profile": True},
+]
+
+
+def _stage3_all(rank, world):
+    plain = _stage3_run(rank, world, wrap=False)
+    default = _stage3_run(rank, world, wrap=True)
+    others = [_stage3_run(rank, world, wrap=True, steps=1, options=o)[1][0] for o in _STAGE3_OPTIONS]
+    return plain, default, others
 
 
 def test_stage3_recompute_regathers_parameters_and_matches_the_plain_gradients():
-    for plain, ckpt in run_distributed(_stage3_both, 2):
+    for plain, ckpt, others in run_distributed(_stage3_all, 2):
+        for options, grads in zip(_STAGE3_OPTIONS, others):
+            for name, ref in plain[1][0].items():
+                torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=0, msg=f"{options} {name}")
         assert plain[0] == ckpt[0]  # losses, bit for bit
         for ref_step, step in zip(plain[1], ckpt[1]):
             assert ref_step.keys() == step.keys()
