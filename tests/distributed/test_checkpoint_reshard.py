@@ -179,3 +179,34 @@ def test_16bit_consolidation_for_inference(stage3_checkpoint, tmp_path):
     state = torch.load(out, weights_only=True)
     for name, value in saved.items():
         assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], value.bfloat16()), name
+
+
+def frozen_model():
+    model = make_model()
+    model.wpe.weight.requires_grad_(False)  # frozen: partitioned at stage 3, never in the optimizer
+    return model
+
+
+def save_frozen(rank, world, stage, save_dir):
+    engine, _, _, _ = zeroengine.initialize(model=frozen_model(), config=config(world, stage))
+    train(engine, rank, world, 0, 2)
+    engine.save_checkpoint(save_dir)
+    return full_state(engine)
+
+
+def load_frozen(rank, world, stage, save_dir):
+    model = frozen_model()
+    with torch.no_grad():
+        model.wpe.weight.zero_()  # must come back from the checkpoint
+    engine, _, _, _ = zeroengine.initialize(model=model, config=config(world, stage))
+    engine.load_checkpoint(save_dir)
+    return full_state(engine)
+
+
+def test_frozen_parameters_round_trip_from_stage3(tmp_path):
+    save_dir = str(tmp_path / "run")
+    saved = run_distributed(save_frozen, 2, 3, save_dir)[0]
+    for world, stage in [(1, 0), (2, 3)]:
+        for loaded in run_distributed(load_frozen, world, stage, save_dir):
+            for name, value in saved.items():
+                assert torch.equal(loaded[name], value), (world, stage, name)

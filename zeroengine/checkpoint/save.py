@@ -55,7 +55,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         report["files"].update(_write_shard(engine, staging, rank))
         report["params"] = _param_table(engine)
         if rank == 0:
-            report["files"][mf.COMMON] = save_tensors(_common_state(engine, module_extras, client_state), 
+            report["files"][mf.COMMON] = save_tensors(_common_state(engine, module_extras, client_state),
                                                       os.path.join(staging, mf.COMMON))
     except Exception as err:  # noqa: BLE001 - reported to every rank, then re-raised below
         report["error"] = f"{type(err).__name__}: {err}"
@@ -170,7 +170,8 @@ def _param_table(engine) -> dict:
     groups = {}
     for piece in engine.optimizer.checkpoint_pieces():
         groups.setdefault(names[id(piece.param)], group_of.get(id(piece.opt_param)))
-    return {names[id(p)]: {"shape": list(_full_shape(p)), "group": groups.get(names[id(p)])}
+    dtype = str(engine.policy.param_dtype).replace("torch.", "")  # the model's; stored values are fp32
+    return {names[id(p)]: {"shape": list(_full_shape(p)), "dtype": dtype, "group": groups.get(names[id(p)])}
             for p in engine.optimizer.checkpoint_params()}
 
 
