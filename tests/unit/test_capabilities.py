@@ -37,9 +37,12 @@ def test_activation_checkpointing_options_are_accepted():
             "number_checkpoints": 4, "synchronize_checkpoint_boundary": True, "profile": True}))
 
 
-def test_stage3_tuning_knobs_are_named_in_a_warning():
-    with pytest.warns(UserWarning, match="stage3_prefetch_bucket_size"):
-        check_supported(_cfg(zero_optimization={"stage": 3, "stage3_prefetch_bucket_size": 1000}))
+def test_stage3_tuning_knobs_are_honoured_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_supported(_cfg(zero_optimization={
+            "stage": 3, "stage3_prefetch_bucket_size": 1000, "stage3_max_live_parameters": 10**6,
+            "stage3_max_reuse_distance": 0, "stage3_param_persistence_threshold": 0}))
 
 
 def test_non_elementwise_optimizers_need_the_explicit_opt_in():
