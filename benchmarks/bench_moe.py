@@ -1,0 +1,309 @@
+"""One MoE layer, forward + backward, side by side; plus the dispatch/combine overhead alone and the
+all-to-all dispatch on 2 and 4 ranks.
+
+    python benchmarks/bench_moe.py [--tokens 4096] [--hidden 512] [--ffn 2048] [--experts 8,64] [--k 1,2]
+                                   [--repeats 3] [--no-deepspeed] [--device cpu|cuda] [--quick]
+
+Candidates, all dropless, all with the same expert MLP (hidden -> ffn -> hidden, GELU):
+
+* ``floor``: one dense MLP over k x tokens rows (the expert FLOPs with no routing at all);
+* ``naive``: a per-expert masking loop (for each expert: select its tokens with a boolean
+  mask, run it, index-add the weighted result back);
+* ``sort``: sort-based dispatch in plain PyTorch (argsort by expert, index_select, split,
+  run, index_add with weights);
+* ``zeroengine``: ``zeroengine.moe.MoE`` (fused permutation kernels, C++ on CPU / CUDA on GPU);
+* ``deepspeed``: DeepSpeed's ``deepspeed.moe.layer.MoE`` (CPU accelerator), when importable.
+
+``overhead`` rows repeat the same shapes with a near-zero-cost expert (one elementwise
+scale), so what remains is routing, dispatch and combine. Every repeat times each
+candidate once, in turn (machine noise hits all alike); tables show the median and
+the best. ``a2a`` rows: ``zeroengine.moe.MoE`` with ``ep_size`` = world on 2 and 4 gloo
+ranks (tokens per rank as above, the cheap expert), against the same layer with every
+expert local on each rank. Results go to benchmarks/results/moe[_cuda].json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+class Scale(nn.Module):
+    """The near-zero-cost expert: one elementwise multiply (it still has a parameter and a gradient)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def make_expert(kind: str, hidden: int, ffn: int) -> nn.Module:
+    if kind == "cheap":
+        return Scale(hidden)
+    return nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+
+
+class NaiveMoE(nn.Module):
+    """Per-expert masking loop over the same gate."""
+
+    def __init__(self, gate, experts):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+
+    def forward(self, x):
+        r = self.gate(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, j = torch.nonzero(r.expert_index == e, as_tuple=True)
+            y = expert(x[token]) * r.weights[token, j].unsqueeze(1).to(x.dtype)
+            out = out.index_add(0, token, y)
+        return out
+
+
+class SortMoE(nn.Module):
+    """Sort-based dispatch in plain PyTorch over the same gate."""
+
+    def __init__(self, gate, experts):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+
+    def forward(self, x):
+        r = self.gate(x)
+        tokens, k = r.expert_index.shape
+        flat = r.expert_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        chunks = x.index_select(0, token).split(counts)
+        y = torch.cat([expert(c) for expert, c in zip(self.experts, chunks)])
+        y = y * r.weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        return torch.zeros_like(x).index_add(0, token, y)
+
+
+def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepspeed):
+    """name -> (module, input); the module maps [tokens, hidden] (the floor: [k*tokens, hidden])."""
+    from zeroengine.moe import MoE, TopKGate
+
+    torch.manual_seed(0)
+    expert = make_expert(kind, hidden, ffn)
+    x = torch.randn(tokens, hidden)
+    gate = TopKGate(hidden, experts, k, drop_tokens=False)
+    local = nn.ModuleList(make_expert(kind, hidden, ffn) for _ in range(experts))
+    found = {}
+    if kind == "mlp":
+        found["floor"] = (make_expert(kind, hidden, ffn), torch.randn(k * tokens, hidden))
+    found["naive"] = (NaiveMoE(gate, local), x)
+    found["sort"] = (SortMoE(gate, local), x)
+    found["zeroengine"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False), x)
+    if with_deepspeed:
+        try:
+            from deepspeed.moe.layer import MoE as DSMoE
+
+            ds = DSMoE(hidden, expert, num_experts=experts, ep_size=1, k=k, drop_tokens=False, use_rts=False)
+            ds.set_deepspeed_parallelism()
+            found["deepspeed"] = (ds, x)
+        except Exception as exc:  # not installed, or it cannot run here
+            found["deepspeed"] = f"unavailable: {type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:100]}"
+    out = {}
+    for name, entry in found.items():
+        if isinstance(entry, str):
+            out[name] = entry
+            continue
+        module, inp = entry
+        out[name] = (module.to(device=device, dtype=dtype), inp.to(device=device, dtype=dtype))
+    return out
+
+
+def fwd_bwd(module, x, grad):
+    x = x.detach().requires_grad_()
+    out = module(x)
+    if isinstance(out, tuple):  # zeroengine and DeepSpeed return (output, l_aux, exp_counts)
+        out = out[0]
+    out.backward(grad)
+
+
+def timed(fn, device) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_shape(kind, tokens, hidden, ffn, experts, k, repeats, device, dtype, with_deepspeed):
+    cands = candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepspeed)
+    runnable = {n: c for n, c in cands.items() if not isinstance(c, str)}
+    grads = {n: torch.randn(x.shape, device=device, dtype=dtype) for n, (_, x) in runnable.items()}
+    times = {n: [] for n in runnable}
+    for rep in range(repeats + 1):  # the first round warms up (allocator, kernel builds)
+        for name, (module, x) in runnable.items():
+            t = timed(lambda: fwd_bwd(module, x, grads[name]), device)
+            module.zero_grad(set_to_none=True)
+            if rep:
+                times[name].append(t)
+    rows = {n: {"median_s": statistics.median(t), "best_s": min(t), "runs": t} for n, t in times.items()}
+    rows.update({n: {"skipped": c} for n, c in cands.items() if isinstance(c, str)})
+    return rows
+
+
+# -- all-to-all on several ranks -------------------------------------------------------------------
+def a2a_worker(rank, world, tokens, hidden, experts, k, repeats):
+    from zeroengine import comm
+    from zeroengine.moe import MoE
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden)
+    grad = torch.randn(tokens, hidden)
+    layers = {"local": MoE(hidden, Scale(hidden), num_experts=experts, k=k, drop_tokens=False),
+              "all-to-all": MoE(hidden, Scale(hidden), num_experts=experts, ep_size=world, k=k, drop_tokens=False)}
+    result = {n: [] for n in layers}
+    for rep in range(repeats + 1):
+        for name, layer in layers.items():
+            comm.barrier()  # start together: the slowest rank's time is the layer's time
+            t = timed(lambda: fwd_bwd(layer, x, grad), "cpu")
+            if rep:
+                result[name].append(t)
+    # bytes of one forward + backward's token all-to-alls: the rows this rank sends (both ways)
+    routing = layers["all-to-all"].gate(x)
+    sent = 2 * 2 * int(routing.kept_counts.sum()) * hidden * 4
+    return {n: statistics.median(t) for n, t in result.items()} | {"bytes_sent": sent}
+
+
+def run_a2a(worlds, tokens, hidden, experts, k, repeats):
+    from bench_moe import a2a_worker as worker  # importable by name, as run_distributed needs
+    from zeroengine.testing import run_distributed
+
+    out = {}
+    for world in worlds:
+        per_rank = run_distributed(worker, world, tokens, hidden, experts, k, repeats, timeout_s=600)
+        out[str(world)] = {"local_s": max(r["local"] for r in per_rank),
+                           "all_to_all_s": max(r["all-to-all"] for r in per_rank),
+                           "bytes_sent_per_rank": per_rank[0]["bytes_sent"]}
+    return out
+
+
+# -- report ----------------------------------------------------------------------------------------
+def print_table(title, shapes):
+    print(f"\n{title}")
+    names = sorted({n for s in shapes for n in s["rows"]}, key=["floor", "naive", "sort", "zeroengine",
+                                                                 "deepspeed"].index)
+    print(f"{'experts':>7} {'k':>2}  " + "  ".join(f"{n:>18}" for n in names))
+    for s in shapes:
+        cells = []
+        for n in names:
+            row = s["rows"].get(n, {})
+            cells.append(f"{'-':>18}" if "median_s" not in row else f"{row['median_s'] * 1e3:9.1f} ({row['best_s'] * 1e3:6.1f})")
+        print(f"{s['experts']:>7} {s['k']:>2}  " + "  ".join(cells))
+    print("(ms: median (best) of the repeats)")
+
+
+def ratios(shapes, baseline_of):
+    out = []
+    for s in shapes:
+        rows = s["rows"]
+        if "zeroengine" not in rows or "median_s" not in rows["zeroengine"]:
+            continue
+        ours = rows["zeroengine"]["median_s"]
+        entry = {"experts": s["experts"], "k": s["k"]}
+        for other in baseline_of:
+            if "median_s" in rows.get(other, {}):
+                entry[f"{other}/zeroengine"] = rows[other]["median_s"] / ours
+        out.append(entry)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--experts", default="8,64")
+    parser.add_argument("--k", default="1,2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--overhead-repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--a2a-worlds", default="2,4", help="comma list; empty to skip")
+    parser.add_argument("--skip-mlp", action="store_true", help="only the overhead and all-to-all rows")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (smoke test)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.hidden, args.ffn, args.experts = 256, 32, 64, "4,8"
+        args.repeats = args.overhead_repeats = 1
+        args.a2a_worlds = "2"
+    device, dtype = args.device, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    with_ds = not args.no_deepspeed and device == "cpu"
+    if with_ds:
+        _init_single_rank_world()
+    experts = [int(e) for e in args.experts.split(",")]
+    ks = [int(k) for k in args.k.split(",")]
+    result = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "device": device, "dtype": args.dtype,
+              "tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    from zeroengine.ops.moe_dispatch import backend
+
+    result["zeroengine_kernels"] = backend(device, dtype)
+    for kind, reps in (("mlp", args.repeats), ("cheap", args.overhead_repeats)):
+        if kind == "mlp" and args.skip_mlp:
+            continue
+        shapes = [{"experts": e, "k": k, "rows": run_shape(kind, args.tokens, args.hidden, args.ffn, e, k, reps,
+                                                           device, dtype, with_ds)}
+                  for e in experts for k in ks]
+        result[kind] = shapes
+        result[f"{kind}_ratios"] = ratios(shapes, ["floor", "naive", "sort", "deepspeed"])
+        print_table("forward+backward, expert MLP" if kind == "mlp" else "dispatch/combine overhead "
+                    "(near-zero-cost expert)", shapes)
+        for r in result[f"{kind}_ratios"]:
+            print("  " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}" for key, v in r.items()))
+    worlds = [int(w) for w in args.a2a_worlds.split(",") if w] if device == "cpu" else []
+    if worlds:
+        result["a2a"] = run_a2a(worlds, args.tokens, args.hidden, min(experts), max(ks), args.overhead_repeats)
+        print("\nall-to-all dispatch (cheap expert, ep_size = world, slowest rank):")
+        for world, row in result["a2a"].items():
+            print(f"  {world} ranks: local {row['local_s'] * 1e3:.1f} ms, all-to-all {row['all_to_all_s'] * 1e3:.1f} ms, "
+                  f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB of token rows per rank")
+    out = Path(args.out) if args.out else HERE / "results" / f"moe{'_cuda' if device == 'cuda' else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+
+
+def _init_single_rank_world():
+    """DeepSpeed's layer needs torch.distributed (a world of one) and its CPU accelerator."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch.distributed as dist
+
+    from zeroengine.testing import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # deepspeed.comm wraps the group made above
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
