@@ -112,3 +112,44 @@ def test_gathered_parameters_broadcasts_the_modifiers_edit_into_every_shard_and_
         assert w.shape == (D, D)
         # one AdamW step of lr 1e-2 moves each element by at most ~lr from the edited 0.5
         assert torch.all((w - 0.5).abs() <= 1.1e-2), w
+
+
+def _path_change(rank, world, steps):
+    """Steps 0-2 without `sometimes`, steps 3-5 with it: the recorded trace must be dropped and re-recorded."""
+    engine, opt, _, _ = zeroengine.initialize(model=_model(), config=_config(world))
+    on_demand = []
+    for i, (x, y) in enumerate(_batches(steps, world)):
+        before = opt.fetch_stats()["on_demand"]
+        engine.backward(engine(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2], use_sometimes=i >= 3))
+        engine.step()
+        on_demand.append(opt.fetch_stats()["on_demand"] - before)
+    stats = opt.fetch_stats()
+    with GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return on_demand, stats, state
+
+
+def _reference_path_change(steps, world):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
+    for i, (x, y) in enumerate(_batches(steps, world)):
+        model(x, y, use_sometimes=i >= 3).backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_changed_module_order_drops_the_trace_and_records_it_again():
+    steps, world = 6, 2
+    ref = _reference_path_change(steps, world)
+    for on_demand, stats, state in run_distributed(_path_change, world, steps):
+        for name, want in ref.items():
+            torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert stats["trace_divergences"] == 1 and stats["trace_recordings"] == 2
+        # step 0 records, 1-2 replay (one blocking gather each), 3 leaves the trace (on demand from
+        # there), 4 records the new order, 5 replays it
+        assert on_demand[1] == on_demand[2] == on_demand[5] == 1, on_demand
+        assert on_demand[3] > 1 and on_demand[4] > 1, on_demand

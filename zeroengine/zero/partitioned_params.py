@@ -116,6 +116,8 @@ class PartitionedParamBuffer(ParamBuffer):
             with ctx:
                 return comm.all_gather(full, self.chunk_view(bucket, self.rank), group=self.group,
                                        async_op=async_op)
+        except comm.CollectiveMismatchError:
+            raise  # comm_debug already names every rank's collective
         except RuntimeError as exc:
             raise self._desync_error(label, exc) from exc
 

@@ -1,0 +1,84 @@
+"""Stage 3 misuse fails loudly and says what to do: a partitioned parameter used outside the engine, and
+ranks that run different modules (with comm_debug: named, within the check's timeout)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zeroengine
+from parity import base_config, make_model
+from zeroengine import comm
+from zeroengine.testing import run_distributed
+from zeroengine.zero import GatheredParameters, PartitionedParameterError
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except PartitionedParameterError as exc:
+        return str(exc)
+    return ""
+
+
+def _touch_outside(rank, world):
+    model = make_model()
+    num_params = model.num_params()
+    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(2, 1, world, 0.0, stage=3))
+    head = engine.module.head.weight  # tied to wte.weight
+    x = torch.randn(3, head.shape[1])
+    errors = {
+        "matmul": _raises(lambda: x @ head.t()),
+        "data": _raises(lambda: head.data.fill_(0)),
+        "state_dict": _raises(lambda: engine.module.state_dict()),
+    }
+    shape_ok = head.shape == (64, 32) and head.dim() == 2 and head.size(0) == 64
+    counted = sum(p.numel() for p in engine.module.parameters())
+    with GatheredParameters([head]):
+        inside = (x @ head.t()).shape  # fine while gathered
+    return errors, shape_ok, counted == num_params, inside
+
+
+def test_a_partitioned_parameter_used_outside_the_engine_raises_a_clear_error():
+    for errors, shape_ok, counted, inside in run_distributed(_touch_outside, 2):
+        for op in ("matmul", "data", "state_dict"):
+            msg = errors[op]
+            assert "'wte.weight'" in msg and "(64, 32)" in msg, (op, msg)
+            assert "GatheredParameters" in msg and "safe_get_full_fp32_param" in msg, (op, msg)
+        assert shape_ok and counted  # metadata still describes the full parameter
+        assert inside == (3, 64)
+
+
+# -- ranks taking different code paths ------------------------------------------------------
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.sometimes = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, skip: bool):
+        h = torch.tanh(self.inp(x))
+        if not skip:
+            h = h + self.sometimes(h)
+        return F.mse_loss(self.out(h), torch.zeros(x.shape[0], 4))
+
+
+def _diverge(rank, world):
+    torch.manual_seed(0)
+    cfg = base_config(2, 1, world, 0.0, stage=3)
+    cfg["comm_debug"] = True
+    engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=cfg)
+    comm.enable_sequence_check(timeout_s=10)  # shorter than the default 60 s, for the test
+    try:
+        loss = engine(torch.randn(2, 8), skip=rank == 1)  # rank 1 skips `sometimes`
+        engine.backward(loss)
+    except comm.CollectiveMismatchError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_module_skipped_on_one_rank_is_named_instead_of_hanging():
+    for message in run_distributed(_diverge, 2, timeout_s=60):
+        assert "module sometimes (forward)" in message, message
+        assert "module out (forward)" in message, message
+        assert "rank 0" in message and "rank 1" in message

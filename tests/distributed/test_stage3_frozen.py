@@ -1,0 +1,76 @@
+"""Frozen parameters (requires_grad=False) under stage 3: partitioned and gathered like the others, never
+given gradients or optimizer state; training matches a single-process reference that freezes the same."""
+import pytest
+import torch
+
+import zeroengine
+from parity import ADAM_EPS, base_config, global_batches, make_model
+from zeroengine.testing import run_distributed
+from zeroengine.zero import GatheredParameters, is_partitioned, safe_get_full_fp32_param, safe_get_full_grad
+
+STEPS, WORLD = 4, 2
+FROZEN = ("wpe.", "blocks.0.")  # the position embedding and the whole first block
+
+
+def _frozen_model():
+    model = make_model()
+    for name, p in model.named_parameters():
+        if name.startswith(FROZEN):
+            p.requires_grad_(False)
+    return model
+
+
+def _reference():
+    model = _frozen_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01,
+                            eps=ADAM_EPS)
+    for step in global_batches(STEPS, 1, WORLD, 2):
+        x = torch.cat([x for x, _ in step[0]])
+        y = torch.cat([y for _, y in step[0]])
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(rank, world):
+    engine, opt, _, _ = zeroengine.initialize(model=_frozen_model(), config=base_config(2, 1, world, 0.5, stage=3))
+    params = dict(engine.module.named_parameters())
+    frozen = {n: p for n, p in params.items() if n.startswith(FROZEN)}
+    partitioned = all(is_partitioned(p) for p in frozen.values())
+    no_grads = True
+    for step in global_batches(STEPS, 1, world, 2):
+        x, y = step[0][rank]
+        engine.backward(engine(x, y))
+        no_grads &= all(p.grad is None for p in frozen.values())
+        engine.step()
+    state_numel = comm_sum(sum(s["exp_avg"].numel() for s in opt.optimizer.state.values()))
+    live_after_step = opt.fetch_stats()["live_numel"]
+    frozen_value = safe_get_full_fp32_param(params["blocks.0.mlp.fc.weight"])
+    with pytest.raises(ValueError, match="frozen"):
+        safe_get_full_grad(params["blocks.0.mlp.fc.weight"])
+    with GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return state, partitioned, no_grads, state_numel, live_after_step, frozen_value, \
+        opt.frozen_params.layout.shard_numel, engine.memory_breakdown()["params"], opt.layout.shard_numel
+
+
+def comm_sum(value: int) -> int:
+    return int(zeroengine.comm.all_reduce_scalar(float(value)))
+
+
+def test_partially_frozen_model_matches_the_reference_and_frozen_params_stay_untouched():
+    ref = _reference()
+    initial = make_model()
+    trainable_numel = sum(p.numel() for n, p in initial.named_parameters() if not n.startswith(FROZEN))
+    for state, partitioned, no_grads, state_numel, live, frozen_value, frozen_shard, held, shard in \
+            run_distributed(_train, WORLD):
+        for name, want in ref.items():
+            torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(state["wpe.weight"], initial.wpe.weight.detach())
+        assert torch.equal(frozen_value, initial.blocks[0].mlp.fc.weight.detach())
+        assert partitioned and no_grads
+        assert state_numel == trainable_numel  # optimizer state for trainable elements only, across ranks
+        assert live == 0  # nothing stays gathered after a step
+        assert frozen_shard > 0 and held == 4 * (shard + frozen_shard)  # frozen params are partitioned too
