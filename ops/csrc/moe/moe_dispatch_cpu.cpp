@@ -7,7 +7,6 @@
 // (fp64 for double) without materialising the [tokens, k, dim] intermediate
 // the PyTorch reference needs.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -48,6 +47,14 @@ const float* weights_ptr(const std::optional<at::Tensor>& w, const at::Tensor& r
   return w->data_ptr<float>();
 }
 
+// Index maps are checked up front, serially: the kernels then never meet a bad index inside an
+// OpenMP region (where an exception cannot propagate).
+void check_range(const at::Tensor& idx, int64_t lo, int64_t n, const char* op) {
+  const int64_t* p = idx.const_data_ptr<int64_t>();
+  for (int64_t i = 0, count = idx.numel(); i < count; ++i)
+    TORCH_CHECK(p[i] >= lo && p[i] < n, "moe_dispatch.", op, ": index ", p[i], " out of range [0, ", n, ")");
+}
+
 // A dot product with eight independent partial sums: vectorises without -ffast-math.
 template <typename T, typename Acc>
 inline Acc dot(const T* a, const T* b, int64_t n) {
@@ -62,7 +69,7 @@ inline Acc dot(const T* a, const T* b, int64_t n) {
 
 template <typename T>
 void combine_kernel(const T* y, const int64_t* rows, const float* w, T* out, int64_t tokens, int64_t k,
-                    int64_t n_rows, int64_t d, std::atomic<bool>& bad) {
+                    int64_t d) {
   using Acc = at::opmath_type<T>;
   constexpr bool kInPlace = std::is_same_v<T, Acc>;  // accumulate straight into the output row
   const int threads = at::get_num_threads();
@@ -76,7 +83,6 @@ void combine_kernel(const T* y, const int64_t* rows, const float* w, T* out, int
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = rows[t * k + j];
         if (r < 0) continue;
-        if (r >= n_rows) { bad = true; continue; }
         const Acc wj = w ? static_cast<Acc>(w[t * k + j]) : Acc(1);
         const T* yr = y + r * d;
         for (int64_t c = 0; c < d; ++c) acc[c] += wj * static_cast<Acc>(yr[c]);
@@ -91,8 +97,7 @@ void combine_kernel(const T* y, const int64_t* rows, const float* w, T* out, int
 
 template <typename T>
 void combine_backward_kernel(const T* g, const T* y, const int64_t* rows, const float* w, T* grad_y,
-                             float* grad_w, int64_t tokens, int64_t k, int64_t n_rows, int64_t d,
-                             std::atomic<bool>& bad) {
+                             float* grad_w, int64_t tokens, int64_t k, int64_t d) {
   using Acc = at::opmath_type<T>;
   const int threads = at::get_num_threads();
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens * d * k > kParallelGrain)
@@ -100,8 +105,7 @@ void combine_backward_kernel(const T* g, const T* y, const int64_t* rows, const 
     const T* gt = g + t * d;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = rows[t * k + j];
-      if (r < 0 || r >= n_rows) {
-        if (r >= n_rows) bad = true;
+      if (r < 0) {
         if (grad_w) grad_w[t * k + j] = 0.f;
         continue;
       }
@@ -131,19 +135,10 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index) {
   const char* src = static_cast<const char*>(x.const_data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   const int64_t* idx = index.const_data_ptr<int64_t>();
-  std::atomic<bool> bad{false};
+  check_range(index, 0, n_in, "gather_rows");
   const int threads = at::get_num_threads();
 #pragma omp parallel for schedule(static) num_threads(threads) if (n * d > kParallelGrain)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = idx[i];
-    if (r < 0 || r >= n_in) {
-      bad = true;
-      std::memset(dst + i * row_bytes, 0, row_bytes);
-      continue;
-    }
-    std::memcpy(dst + i * row_bytes, src + r * row_bytes, row_bytes);
-  }
-  TORCH_CHECK(!bad, "moe_dispatch.gather_rows: index out of range [0, ", n_in, ")");
+  for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * row_bytes, src + idx[i] * row_bytes, row_bytes);
   return out;
 }
 
@@ -153,13 +148,12 @@ at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& rows, const std::
   TORCH_CHECK(rows.dim() == 2, "moe_dispatch: rows must be [tokens, k]");
   const float* w = weights_ptr(weights, rows);
   const int64_t tokens = rows.size(0), k = rows.size(1), d = y.size(1);
+  check_range(rows, -1, y.size(0), "combine_rows");  // -1: a dropped assignment
   at::Tensor out = at::empty({tokens, d}, y.options());
-  std::atomic<bool> bad{false};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "combine_rows", [&] {
     combine_kernel<scalar_t>(y.const_data_ptr<scalar_t>(), rows.const_data_ptr<int64_t>(), w,
-                             out.data_ptr<scalar_t>(), tokens, k, y.size(0), d, bad);
+                             out.data_ptr<scalar_t>(), tokens, k, d);
   });
-  TORCH_CHECK(!bad, "moe_dispatch.combine_rows: row index out of range [0, ", y.size(0), ")");
   return out;
 }
 
@@ -176,18 +170,16 @@ std::vector<at::Tensor> combine_rows_backward(const at::Tensor& grad, const at::
               "moe_dispatch: grad must be [tokens, dim] and rows [tokens, k]");
   const float* w = weights_ptr(weights, rows);
   const int64_t tokens = rows.size(0), k = rows.size(1), d = y.size(1);
+  check_range(rows, -1, y.size(0), "combine_rows_backward");
   at::Tensor grad_y, grad_w;
   if (need_grad_y) grad_y = zero_grad_y ? at::zeros_like(y) : at::empty_like(y);
   if (need_grad_w) grad_w = at::empty({tokens, k}, rows.options().dtype(at::kFloat));
-  std::atomic<bool> bad{false};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "combine_rows_backward", [&] {
     combine_backward_kernel<scalar_t>(grad.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(),
                                       rows.const_data_ptr<int64_t>(), w,
                                       need_grad_y ? grad_y.data_ptr<scalar_t>() : nullptr,
-                                      need_grad_w ? grad_w.data_ptr<float>() : nullptr, tokens, k, y.size(0), d,
-                                      bad);
+                                      need_grad_w ? grad_w.data_ptr<float>() : nullptr, tokens, k, d);
   });
-  TORCH_CHECK(!bad, "moe_dispatch.combine_rows_backward: row index out of range [0, ", y.size(0), ")");
   return {grad_y, grad_w};
 }
 
@@ -196,11 +188,8 @@ std::vector<at::Tensor> combine_rows_backward(const at::Tensor& grad, const at::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroengine MoE token permutation (CPU)";
-  m.def("gather_rows", &ze::moe::gather_rows, py::arg("x"), py::arg("index"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("combine_rows", &ze::moe::combine_rows, py::arg("y"), py::arg("rows"), py::arg("weights"),
-        py::call_guard<py::gil_scoped_release>());
+  m.def("gather_rows", &ze::moe::gather_rows, py::arg("x"), py::arg("index"));
+  m.def("combine_rows", &ze::moe::combine_rows, py::arg("y"), py::arg("rows"), py::arg("weights"));
   m.def("combine_rows_backward", &ze::moe::combine_rows_backward, py::arg("grad"), py::arg("y"), py::arg("rows"),
-        py::arg("weights"), py::arg("need_grad_y"), py::arg("need_grad_w"), py::arg("zero_grad_y"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("weights"), py::arg("need_grad_y"), py::arg("need_grad_w"), py::arg("zero_grad_y"));
 }
