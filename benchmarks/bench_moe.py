@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -208,7 +207,8 @@ def print_table(title, shapes):
         cells = []
         for n in names:
             row = s["rows"].get(n, {})
-            cells.append(f"{'-':>18}" if "median_s" not in row else f"{row['median_s'] * 1e3:9.1f} ({row['best_s'] * 1e3:6.1f})")
+            cells.append(f"{'-':>18}" if "median_s" not in row
+                         else f"{row['median_s'] * 1e3:9.1f} ({row['best_s'] * 1e3:6.1f})")
         print(f"{s['experts']:>7} {s['k']:>2}  " + "  ".join(cells))
     print("(ms: median (best) of the repeats)")
 
@@ -274,13 +274,15 @@ def main(argv=None):
         print_table("forward+backward, expert MLP" if kind == "mlp" else "dispatch/combine overhead "
                     "(near-zero-cost expert)", shapes)
         for r in result[f"{kind}_ratios"]:
-            print("  " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}" for key, v in r.items()))
+            print("  " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
+                                   for key, v in r.items()))
     worlds = [int(w) for w in args.a2a_worlds.split(",") if w] if device == "cpu" else []
     if worlds:
         result["a2a"] = run_a2a(worlds, args.tokens, args.hidden, min(experts), max(ks), args.overhead_repeats)
         print("\nall-to-all dispatch (cheap expert, ep_size = world, slowest rank):")
         for world, row in result["a2a"].items():
-            print(f"  {world} ranks: local {row['local_s'] * 1e3:.1f} ms, all-to-all {row['all_to_all_s'] * 1e3:.1f} ms, "
+            print(f"  {world} ranks: local {row['local_s'] * 1e3:.1f} ms, "
+                  f"all-to-all {row['all_to_all_s'] * 1e3:.1f} ms, "
                   f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB of token rows per rank")
     out = Path(args.out) if args.out else HERE / "results" / f"moe{'_cuda' if device == 'cuda' else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

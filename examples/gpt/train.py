@@ -57,7 +57,8 @@ def main():
     engine, _, loader, _ = zeroengine.initialize(args=args, model=model, training_data=data)
     rank0 = engine.global_rank == 0
     if rank0:
-        kind = f"MoE GPT ({args.num_experts} experts, top-{args.top_k}, ep_size {args.ep_size})" if args.moe else "GPT"
+        kind = (f"MoE GPT ({args.num_experts} experts, top-{args.top_k}, ep_size {args.ep_size})" if args.moe
+                else "GPT")
         print(f"{kind} {model.num_params() / 1e6:.2f}M params | world {engine.world_size} | stage {engine.zero_stage} | "
               f"micro batch {engine.train_micro_batch_size_per_gpu()} x accumulation "
               f"{engine.gradient_accumulation_steps()} x ranks {engine.world_size} = {engine.train_batch_size()} "

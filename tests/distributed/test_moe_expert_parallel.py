@@ -44,7 +44,7 @@ def _worker(rank, world, ep_size):
     report = {}
     for m, mode in enumerate(MODES):
         ref = _build(1, mode)
-        ref_out, ref_laux, ref_xgrad, total = [], [], [], 0.0
+        ref_out, ref_laux, ref_xgrad = [], [], []
         for r in range(world):
             x, probe = _data(r)
             x.requires_grad_()

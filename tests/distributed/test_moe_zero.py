@@ -10,7 +10,7 @@ import torch
 import zeroengine
 from model import GPTConfig
 from moe_model import MoEConfig, MoEGPT
-from parity import ADAM_EPS, base_config, global_batches
+from parity import base_config, global_batches
 from zeroengine.config import ConfigError
 from zeroengine.moe import expert_checkpoint_names, is_expert_param
 from zeroengine.testing import run_distributed
