@@ -1,7 +1,7 @@
 """Features the config can describe but this build cannot run yet.
 
-The config schema is DeepSpeed's whole contract, and some of it (parameter offload,
-monitors) lands in later
+The config schema is DeepSpeed's whole contract, and some of it (parameter offload)
+lands in later
 work. A user who asks for one of those must hear so before training starts,
 not discover it as an out-of-memory or a missing log: numerics-changing or
 memory-changing features are refused with a ConfigError; pure performance
@@ -19,6 +19,3 @@ def check_supported(cfg) -> None:
         raise ConfigError("zero_optimization.offload_param",
                           "parameter offload is not implemented in this build yet; remove the block "
                           "(or set its device to \"none\")")
-    if cfg.monitor.enabled:
-        raise ConfigError("monitor", "the CSV / TensorBoard monitors are not implemented in this build yet; "
-                          "set their 'enabled' to false")

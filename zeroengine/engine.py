@@ -33,6 +33,7 @@ class Engine:
         self._meter = ProgressMeter(config.train_batch_size)
         self._timers = StepTimers() if config.wall_clock_breakdown else None
         self._log = get_logger()
+        self.monitor = None  # a zeroengine.monitor.StepRecorder, set by initialize() when the config enables one
 
     # -- the DeepSpeed-style accessors ---------------------------------------
     @property
@@ -111,6 +112,7 @@ class Engine:
         """Step the optimizer, but only at a gradient-accumulation boundary."""
         if self.is_gradient_accumulation_boundary():
             self._time("step", start=True)
+            lr = self.get_lr()[0]  # the rate this step applies, for the monitors (the scheduler moves it below)
             result = self.optimizer.step()
             self.last_step = result
             if result.applied:
@@ -127,6 +129,7 @@ class Engine:
             self.global_samples += self.train_batch_size()
             self._meter.add_step()
             self._time("step", start=False)
+            self._monitor_step(lr, result)
             if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
                 self._report_progress()
         self.micro_steps += 1
@@ -167,6 +170,11 @@ class Engine:
     def _time(self, name: str, start: bool) -> None:
         if self._timers is not None:
             (self._timers.start if start else self._timers.stop)(name)
+
+    def _monitor_step(self, lr: float, result: StepResult) -> None:
+        # Every rank calls in (the monitors' loss average is a collective); only rank 0 writes.
+        if self.monitor is not None:
+            self.monitor.record_step(self, self._meter.take_step_loss(), lr, result)
 
     def _report_progress(self) -> None:
         # Every rank takes part in the loss average (one tiny collective per print).

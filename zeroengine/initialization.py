@@ -12,6 +12,7 @@ from zeroengine.checkpointing.config import configure_from_initialize as configu
 from zeroengine.config import ConfigError, load_config
 from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine
+from zeroengine.monitor import build_recorder
 from zeroengine.optim.factory import build_optimizer
 from zeroengine.optim.schedulers import build_scheduler
 from zeroengine.precision.loss_scaler import build_loss_scaler
@@ -101,6 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     scheduler = _resolve_scheduler(cfg, torch_optimizer, lr_scheduler)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank)
+    engine.monitor = build_recorder(cfg.monitor, comm.get_rank())
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn=collate_fn,

@@ -58,10 +58,18 @@ class ProgressMeter:
         self.loss_count = 0
         self.window_start = time.perf_counter()
         self.window_steps = 0
+        self._step_loss = [0.0, 0]  # sum and count of this optimizer step's micro-batch losses (for the monitors)
 
     def add_loss(self, value: float) -> None:
         self.loss_sum += value
         self.loss_count += 1
+        self._step_loss[0] += value
+        self._step_loss[1] += 1
+
+    def take_step_loss(self) -> float:
+        """Mean loss of the micro-batches since the last call (NaN if none); starts the next step's."""
+        (total, count), self._step_loss = self._step_loss, [0.0, 0]
+        return total / count if count else float("nan")
 
     def add_step(self) -> None:
         self.window_steps += 1

@@ -13,7 +13,6 @@ def _cfg(**extra):
 
 @pytest.mark.parametrize("extra,key", [
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
-    ({"monitor": {"tensorboard": {"enabled": True}}}, "monitor"),
 ])
 def test_unimplemented_features_are_refused_with_their_key(extra, key):
     with pytest.raises(ConfigError) as err:

@@ -1,4 +1,6 @@
-"""``monitor``: where training metrics (loss, lr, loss scale) are written.
+"""``monitor``: where training metrics (loss, lr, loss scale, throughput, memory, comm bytes) are written.
+
+The writers live in :mod:`zeroengine.monitor` (see docs/monitoring.md).
 
 DeepSpeed spells these as top-level ``csv_monitor`` and ``tensorboard`` blocks;
 ``legacy.py`` moves those here, so both spellings load.
@@ -14,18 +16,20 @@ class MonitorBackendConfig(ConfigModel):
     """One metrics writer."""
 
     enabled: bool = Field(False, description="Write metrics with this backend.")
-    output_path: str = Field("", description="Directory for the output ('' : the current directory).")
-    job_name: str = Field("zeroengine", description="Sub-directory (and run name) for this job.")
+    output_path: str = Field("", description="Directory for the output ('': the current directory).")
+    job_name: str = Field("zeroengine", description="Sub-directory of output_path the files go in "
+                                                    "(the run's name).")
 
 
 class MonitorConfig(ConfigModel):
     """Metrics writers; DeepSpeed's top-level csv_monitor / tensorboard blocks land here."""
 
     csv: MonitorBackendConfig = Field(default_factory=MonitorBackendConfig,
-                                      description="CSV files, one per metric (DeepSpeed: csv_monitor).")
+                                      description="One metrics.csv: a row per optimizer step, a column per "
+                                                  "metric (DeepSpeed: csv_monitor).")
     tensorboard: MonitorBackendConfig = Field(default_factory=MonitorBackendConfig,
-                                              description="TensorBoard event files (needs the tensorboard "
-                                                          "package).")
+                                              description="A TensorBoard event file (written directly: "
+                                                          "the tensorboard package is needed only to view it).")
 
     @property
     def enabled(self) -> bool:
