@@ -27,8 +27,8 @@ def _train(rank, world, zero_extra):
     buffer = opt.flat_params
     units = [(b.padded_numel, b.index in buffer.persistent) for b in buffer.layout.buckets]
     bucket_of = buffer.layout.bucket_of_param()
-    persistent_whole = [p.data.numel() == p.numel() and not is_partitioned(p) for i, p in enumerate(buffer.params)
-                        if bucket_of[i] in buffer.persistent]
+    persistent_whole = [p.data.numel() == p.numel() and type(p) is torch.nn.Parameter and is_partitioned(p)
+                        for i, p in enumerate(buffer.params) if bucket_of[i] in buffer.persistent]
     params_bytes = engine.memory_breakdown()["params"]
     with GatheredParameters(list(engine.module.parameters())):
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

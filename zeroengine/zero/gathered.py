@@ -44,12 +44,9 @@ def _stage3_entry(param: torch.Tensor):
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
-    """True for a stage-3 parameter that is empty between uses (not a persistent one), or one built
-    under zero.Init."""
-    entry = _stage3_entry(param)
-    if entry is not None:
-        return entry[1] not in entry[0].persistent
-    return is_init_partitioned(param)
+    """True for a stage-3 parameter (empty between uses, or persistent: whole on every rank while its
+    gradient and optimizer state are partitioned), or one built under zero.Init."""
+    return _stage3_entry(param) is not None or is_init_partitioned(param)
 
 
 class GatheredParameters:
