@@ -55,9 +55,10 @@ def plot(metrics: dict[str, list[float]], output: str, title: str = "") -> None:
         ax_lr.set_ylabel("lr")
     ax_rate.plot(steps, metrics["train/samples_per_sec"], color="tab:green")
     ax_rate.set_ylabel("samples / s")
-    for name, values in metrics.items():
-        if name.startswith("memory/") and name not in _MEMORY_TOTALS and any(v > 0 for v in values):
-            ax_mem.plot(steps, [v / 2**20 for v in values], label=name.split("/", 1)[1])
+    kinds = [n for n, v in metrics.items() if n.startswith("memory/") and n not in _MEMORY_TOTALS and any(v)]
+    for i, name in enumerate(kinds):  # kinds often hold equal bytes: distinct dashes keep both lines visible
+        ax_mem.plot(steps, [v / 2**20 for v in metrics[name]], label=name.split("/", 1)[1],
+                    linestyle=("-", "--", ":", "-.")[i % 4])
     ax_mem.set_ylabel("rank 0 memory (MiB)")
     ax_mem.set_ylim(bottom=0)
     ax_mem.set_xlabel("optimizer step")
