@@ -1,4 +1,4 @@
-"""ZeRO stages side by side: torch DDP vs zeroengine stages 0/1/2 vs DeepSpeed 0.19.8 stages 1/2.
+"""ZeRO stages side by side: torch DDP and FSDP2 vs zeroengine stages 0-3 vs DeepSpeed 0.19.8 stages 1/2.
 
     python benchmarks/bench_stages.py [--quick] [--no-deepspeed] [--out benchmarks/results/stages.json]
 
@@ -34,7 +34,16 @@ clipping) on 2 CPU ranks over gloo, one torch thread per rank.
 * Memory. RSS is read before the model is built (after torch, the variant's
   library and the process group are up) and after the timed steps; the growth
   is compared with DESIGN.md's fp32 model-state formula per rank (Ψ params,
-  N ranks): stage 0 (and DDP) 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N.
+  N ranks): stage 0 (and DDP) 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N,
+  stage 3 (and FSDP2) 16Ψ/N.
+* Stage 3 and FSDP2. ``ze-s3`` uses the fetch policy of
+  ``stages_worker.stage3_settings`` (prefetch two buckets ahead, a bounded
+  number of live elements, reuse distance one bucket, persistence 10 x
+  hidden). ``fsdp2`` is torch's ``fully_shard`` on every transformer block and
+  on the root, torch defaults (reshard after forward), the same AdamW; its
+  bytes are analytic (all-gather in forward and again in backward, one
+  reduce-scatter: 3·4Ψ(N-1)/N wire). Step ratios to FSDP2 are taken per
+  round like those to DDP.
   Before that baseline each rank trains a throwaway 0.1M-param GPT with the
   same variant for two steps, so the costs of a first run that do not depend
   on the model (modules imported on first use, libtorch code pages, threads,
@@ -76,6 +85,7 @@ QUICK_MODEL = ModelShape(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_e
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stages.json"
 TARGET_STEP_RATIO = 1.10
 TARGET_RSS_RATIO = 1.25
+TARGET_S3_STEP_RATIO = 1.20
 
 
 # --------------------------------------------------------------------------- the variants
@@ -106,7 +116,9 @@ def build_variants(args) -> tuple[list[Variant], dict[str, str]]:
     variants = [Variant("ddp", "ddp"),
                 Variant("ze-s0", "zeroengine", 0, bucket),
                 Variant("ze-s1", "zeroengine", 1, bucket),
-                Variant("ze-s2", "zeroengine", 2, bucket, overlap_comm=True)]
+                Variant("ze-s2", "zeroengine", 2, bucket, overlap_comm=True),
+                Variant("ze-s3", "zeroengine", 3, bucket, overlap_comm=True),
+                Variant("fsdp2", "fsdp2")]
     extra_buckets = args.s2_buckets if args.s2_buckets is not None else ("" if args.quick else "5e7")
     for extra in filter(None, extra_buckets.split(",")):
         variants.append(Variant(f"ze-s2@{extra.strip()}", "zeroengine", 2, int(float(extra)), overlap_comm=True))
@@ -282,6 +294,8 @@ def finish_worlds(worlds: list[World], timeout: float) -> dict[str, list[dict]]:
 
 def formula_bytes(variant: Variant, psi: int, n: int) -> tuple[float, str]:
     """DESIGN.md's fp32 model-state bytes per rank for this variant's stage."""
+    if variant.kind == "fsdp2" or variant.stage == 3:
+        return 16.0 * psi / n, "16Ψ/N"
     if variant.kind == "ddp" or variant.stage == 0:
         return 16.0 * psi, "16Ψ"
     if variant.stage == 1:
@@ -292,6 +306,18 @@ def formula_bytes(variant: Variant, psi: int, n: int) -> tuple[float, str]:
 def ddp_comm(psi: int, n: int) -> dict:
     return {"source": "analytic: one all-reduce of every fp32 gradient (not measured)",
             "wire_bytes_per_step": 2.0 * 4 * psi * (n - 1) / n, "payload_bytes_per_step": 4.0 * psi}
+
+
+def fsdp2_comm(psi: int, n: int) -> dict:
+    return {"source": "analytic: fp32 all-gather in forward and in backward, one reduce-scatter (not measured)",
+            "wire_bytes_per_step": 3.0 * 4 * psi * (n - 1) / n, "payload_bytes_per_step": 3.0 * 4 * psi}
+
+
+def per_round_ratio(rounds: list[dict], ref_rounds: list[dict]) -> float | None:
+    """Median over rounds of (this variant's round median step time / the reference's in that round)."""
+    ref = {rd["round"]: statistics.median(rd["times_s"]) for rd in ref_rounds}
+    ratios = [statistics.median(rd["times_s"]) / ref[rd["round"]] for rd in rounds if rd["round"] in ref]
+    return statistics.median(ratios) if ratios else None
 
 
 def _model_states(breakdown: dict | None) -> int | None:
@@ -337,7 +363,8 @@ def summarise(variant: Variant, ready: list[dict], rounds: list[dict], finished:
         "rss_growth_after_malloc_trim_over_formula": (max(trimmed) / formula) if trimmed else None,
         "memory_breakdown": breakdown, "model_states_bytes": states,
         "model_states_over_formula": states / formula if states else None,
-        "comm": ddp_comm(psi, n) if variant.kind == "ddp" else finished[0]["comm"],
+        "comm": {"ddp": ddp_comm, "fsdp2": fsdp2_comm}[variant.kind](psi, n)
+        if variant.kind in ("ddp", "fsdp2") else finished[0]["comm"],
         "final_loss": finished[0]["loss"]})
     return row
 
@@ -362,7 +389,7 @@ def print_time_table(rows: list[dict]) -> None:
         comm, ph = row.get("comm") or {}, row["median_phase_s"]
         ratios = row["ratio_per_round"]
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
-        mark = "*" if row["variant"]["kind"] == "ddp" else ("+" if row["variant"]["kind"] == "deepspeed" else "")
+        mark = {"ddp": "*", "fsdp2": "*", "deepspeed": "+"}.get(row["variant"]["kind"], "")
         print(f"{name:<12} {_fmt(row['median_step_s'], '.0f', 1e-3):>8} {_fmt(row['ratio_to_ddp'], '.3f'):>6} "
               f"{spread:>13} {_fmt(ph['forward'], '.0f', 1e-3):>7} {_fmt(ph['backward'], '.0f', 1e-3):>7} "
               f"{_fmt(ph['step'], '.0f', 1e-3):>7} {_fmt(row['median_cpu_s_per_step'], '.0f', 1e-3):>7} {_fmt(row['cpu_ratio_to_ddp'], '.3f'):>8} {_fmt(row['median_page_faults_per_step'], '.0f'):>7} {_fmt(comm.get('wire_bytes_per_step'), '.1f', 1e6) + mark:>8} "
@@ -371,7 +398,8 @@ def print_time_table(rows: list[dict]) -> None:
           "rounds of (variant's round median / DDP's round median). CPU: the process's CPU time per step (all\n"
           "threads, the larger rank; less sensitive to other jobs than wall time), median, and its ratio to DDP's.\n"
           "faults: minor page faults per step (4 KiB pages the allocator took from the OS again). Bytes per step per rank: * DDP analytic\n"
-          "(2·4Ψ(N-1)/N, not measured); + DeepSpeed from its comms logger in one extra untimed step.")
+          "(2·4Ψ(N-1)/N, not measured), FSDP2 analytic (3·4Ψ(N-1)/N); + DeepSpeed from its comms logger in one extra\n"
+          "untimed step. xFSDP2 (zeroengine stage 3): the same per-round median ratio, against FSDP2.")
 
 
 def print_memory_table(rows: list[dict]) -> None:
@@ -399,11 +427,23 @@ def print_memory_table(rows: list[dict]) -> None:
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets for zeroengine stages 1 and 2, met or not, with the measured numbers."""
+    """The issues' targets for zeroengine stages 1-3, met or not, with the measured numbers."""
     verdicts = []
+    peaks = {row["variant"]["name"]: max(row["peak_rss_bytes"]) for row in rows if row.get("peak_rss_bytes")}
     for row in rows:
         v = row["variant"]
-        if v["kind"] != "zeroengine" or v["stage"] not in (1, 2) or "error" in row:
+        if v["kind"] != "zeroengine" or v["stage"] not in (1, 2, 3) or "error" in row:
+            continue
+        if v["stage"] == 3:
+            ratio, vs_fsdp2 = row.get("ratio_to_ddp"), row.get("ratio_to_fsdp2")
+            verdicts.append({"variant": v["name"], "target": f"step time <= {TARGET_S3_STEP_RATIO}x DDP",
+                             "measured": ratio, "met": ratio is not None and ratio <= TARGET_S3_STEP_RATIO})
+            verdicts.append({"variant": v["name"], "target": "step time <= 1.0x FSDP2", "measured": vs_fsdp2,
+                             "met": vs_fsdp2 is not None and vs_fsdp2 <= 1.0})
+            mine = peaks.get(v["name"])
+            lowest = mine is not None and all(mine <= other for other in peaks.values())
+            verdicts.append({"variant": v["name"], "target": "lowest peak RSS of all variants",
+                             "measured": mine / MIB if mine else None, "met": lowest})
             continue
         ratio, grow = row.get("ratio_to_ddp"), row.get("rss_growth_over_formula")
         verdicts.append({"variant": v["name"], "target": f"step time <= {TARGET_STEP_RATIO}x DDP",
@@ -446,6 +486,8 @@ def main(argv=None) -> int:
             continue
         row = summarise(world.variant, ready[name], timings[name], finished.get(name),
                         timings.get("ddp", []), WORLD_SIZE)
+        if world.variant.kind == "zeroengine" and timings.get("fsdp2"):
+            row["ratio_to_fsdp2"] = per_round_ratio(timings[name], timings["fsdp2"])
         if world.error:
             row["error"] = world.error
         rows.append(row)
@@ -455,6 +497,9 @@ def main(argv=None) -> int:
               f"{load_start[0]:.1f} -> {load_end[0]:.1f}")
     print(header)
     print_time_table(rows)
+    vs_fsdp2 = [f"{r['variant']['name']} {r['ratio_to_fsdp2']:.3f}" for r in rows if r.get("ratio_to_fsdp2")]
+    if vs_fsdp2:
+        print("step time xFSDP2 (per-round median): " + ", ".join(vs_fsdp2))
     print()
     print_memory_table(rows)
     for name, why in skipped.items():

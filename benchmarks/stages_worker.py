@@ -43,7 +43,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Variant:
-    """What one world runs. ``kind``: ``ddp``, ``zeroengine`` or ``deepspeed``."""
+    """What one world runs. ``kind``: ``ddp``, ``fsdp2``, ``zeroengine`` or ``deepspeed``."""
 
     name: str
     kind: str
@@ -197,7 +197,21 @@ class _EngineTrainer(Trainer):
             destroy()
 
 
+def stage3_settings(spec: RunSpec, variant: Variant) -> dict:
+    """Stage 3's fetch policy in the benchmark (elements): prefetch about two modules ahead, at most a few
+    modules' worth gathered at once, keep only what is reused right away, and DeepSpeed's "auto"
+    persistence (10 x hidden: the LayerNorm and bias vectors stay whole)."""
+    bucket = variant.reduce_bucket_size
+    largest = spec.model.vocab_size * spec.model.n_embd  # the tied embedding/head, gathered whole
+    return {"stage3_prefetch_bucket_size": 2 * bucket,
+            "stage3_max_live_parameters": largest + 4 * bucket,
+            "stage3_max_reuse_distance": bucket,
+            "stage3_param_persistence_threshold": 10 * spec.model.n_embd}
+
+
 def _engine_config(spec: RunSpec, variant: Variant, **zero_extra) -> dict:
+    if variant.stage == 3:
+        zero_extra = {**stage3_settings(spec, variant), **zero_extra}
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -227,15 +241,22 @@ class ZeroEngineTrainer(_EngineTrainer):
         from zeroengine import comm
 
         comm.counters.reset()
+        reset = getattr(self.engine.optimizer, "reset_fetch_stats", None)
+        if reset is not None:
+            reset()
 
     def comm_report(self, steps: int) -> dict | None:
         from zeroengine import comm
 
         ops = comm.counters.snapshot()
-        return {"source": "zeroengine.comm.counters",
-                "wire_bytes_per_step": sum(o["wire_bytes"] for o in ops.values()) / steps,
-                "payload_bytes_per_step": sum(o["payload_bytes"] for o in ops.values()) / steps,
-                "ops_per_step": {k: {f: v / steps for f, v in o.items()} for k, o in ops.items()}}
+        report = {"source": "zeroengine.comm.counters",
+                  "wire_bytes_per_step": sum(o["wire_bytes"] for o in ops.values()) / steps,
+                  "payload_bytes_per_step": sum(o["payload_bytes"] for o in ops.values()) / steps,
+                  "ops_per_step": {k: {f: v / steps for f, v in o.items()} for k, o in ops.items()}}
+        fetch_stats = getattr(self.engine.optimizer, "fetch_stats", None)
+        if fetch_stats is not None:  # stage 3: gathers on demand vs prefetched, live elements (since warm-up)
+            report["stage3_fetch"] = fetch_stats()
+        return report
 
 
 class DeepSpeedTrainer(_EngineTrainer):
@@ -299,7 +320,29 @@ def deepspeed_comm_bytes(comms_dict: dict, world: int) -> dict:
             "payload_bytes_per_step": payload, "ops_per_step": ops}
 
 
-TRAINERS = {"ddp": DDPTrainer, "zeroengine": ZeroEngineTrainer, "deepspeed": DeepSpeedTrainer}
+class FSDP2Trainer(Trainer):
+    """torch FSDP2 (``fully_shard``): each transformer block is one sharded group, the root (embeddings,
+    tied head, final norm) another; torch defaults otherwise (reshard after forward, fp32)."""
+
+    def __init__(self, model, spec: RunSpec, variant: Variant):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        self.model = model
+        self.optimizer = make_optimizer(model.parameters(), spec)
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+TRAINERS = {"ddp": DDPTrainer, "fsdp2": FSDP2Trainer, "zeroengine": ZeroEngineTrainer,
+            "deepspeed": DeepSpeedTrainer}
 
 
 # --------------------------------------------------------------------------- the rank's life
