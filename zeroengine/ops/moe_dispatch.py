@@ -92,10 +92,19 @@ def backend(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float
     return "cpp" if probe.device.type == "cpu" else "cuda"
 
 
+def _check_range(index: torch.Tensor, lo: int, n: int, op: str) -> None:
+    """Index checks for the CPU kernel, in Python: a C++ exception thrown out of an extension has been
+    seen to crash some torch builds (2.11+cu130 with gcc 13) instead of raising. CUDA kernels skip
+    out-of-range rows instead (a check there would synchronise the device)."""
+    if index.device.type == "cpu" and index.numel() and (int(index.min()) < lo or int(index.max()) >= n):
+        raise RuntimeError(f"moe_dispatch.{op}: index out of range [0, {n})")
+
+
 def _combine(y, rows, weights, impl):
     kernel = _kernel(y, impl)
     if kernel is None:
         return combine_rows_reference(y, rows, weights)
+    _check_range(rows, -1, y.shape[0], "combine_rows")
     return kernel.combine_rows(y.contiguous(), rows, weights)
 
 
@@ -103,6 +112,7 @@ def _combine_backward(grad, y, rows, weights, need_grad_y, need_grad_w, covers_a
     kernel = _kernel(y, impl)
     if kernel is None:
         return combine_rows_backward_reference(grad, y, rows, weights, need_grad_y, need_grad_w)
+    _check_range(rows, -1, y.shape[0], "combine_rows_backward")
     grad_y, grad_w = kernel.combine_rows_backward(grad.contiguous(), y.contiguous(), rows, weights, need_grad_y,
                                                   need_grad_w, not covers_all)
     return grad_y, grad_w
@@ -115,7 +125,10 @@ class _PermuteTokens(torch.autograd.Function):
         ctx.save_for_backward(rows)
         ctx.impl = impl
         kernel = _kernel(x, impl)
-        return gather_rows_reference(x, index) if kernel is None else kernel.gather_rows(x.contiguous(), index)
+        if kernel is None:
+            return gather_rows_reference(x, index)
+        _check_range(index, 0, x.shape[0], "gather_rows")
+        return kernel.gather_rows(x.contiguous(), index)
 
     @staticmethod
     def backward(ctx, grad):
