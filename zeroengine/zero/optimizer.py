@@ -85,6 +85,9 @@ class ZeroOptimizer:
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         raise NotImplementedError
 
+    def _clip_grads(self, grads: list[torch.Tensor], coef: float) -> None:
+        torch._foreach_mul_(grads, coef)
+
     def _optimizer_step(self) -> None:
         self.optimizer.step()
 
@@ -126,7 +129,7 @@ class ZeroOptimizer:
             # a plain torch loop is exact.
             coef = self.gradient_clipping / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+                self._clip_grads(grads, coef)
         self._optimizer_step()
         self._refresh_model_params()
         self.zero_grad()
@@ -136,5 +139,8 @@ class ZeroOptimizer:
     def local_norm_sq(grads: list[torch.Tensor]) -> float:
         if not grads:
             return 0.0
-        norms = torch._foreach_norm([g.float() for g in grads] if grads[0].dtype != torch.float32 else grads)
+        if grads[0].dtype == torch.float32:
+            norms = torch._foreach_norm(grads)
+        else:  # widen one tensor at a time: a widened copy of all of them would cost 4 bytes per element
+            norms = [torch._foreach_norm([g.float()])[0] for g in grads]
         return float(torch.stack(norms).double().pow(2).sum())

@@ -18,6 +18,7 @@ import torch
 
 from zeroengine import comm
 from zeroengine.memory import MemoryTally
+from zeroengine.offload import OffloadedStep
 
 from .flat_params import gather_chunk
 from .layout import FlatLayout
@@ -52,6 +53,10 @@ class ShardedOptimizer(ZeroOptimizer):
         if offload is not None and policy.mixed and hasattr(optimizer, "step_with_copy"):
             self.copy_out = [self._host_buffer(c.shape, policy.param_dtype).copy_(c) for c in self.chunks]
         self._stepped_with_copy = False
+        # Offload: the step streams gradients down bucket by bucket (zeroengine/offload/step.py).
+        self.offloaded_step = None if offload is None else OffloadedStep(
+            optimizer, self.layout, rank, self.pieces, self.copy_out, bool(offload.pin_memory))
+        self._inv_scale, self._clip_coef = 1.0, 1.0
         self._fp32_chunk_grads: list[torch.Tensor] = []
         self._after_backward = after_backward
 
@@ -100,6 +105,10 @@ class ShardedOptimizer(ZeroOptimizer):
             self.chunks[bucket_index].copy_(src)
 
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
+        if self.offloaded_step is not None:
+            # The gradients stay where they were reduced, loss-scaled; the step unscales them on the host.
+            self._inv_scale, self._clip_coef = inv_scale, 1.0
+            return [g for g in self.grad_store.chunk_grads if g is not None]
         grads = []
         for bucket, chunk_grad, pieces in zip(self.layout.buckets, self.grad_store.chunk_grads, self.pieces):
             if chunk_grad is None:  # never happens after a backward; zeros keep a bare step() well-defined
@@ -115,10 +124,23 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         # Each rank holds a disjoint shard (padding is zero): the squares add up across ranks.
-        total = comm.all_reduce_scalar(self.local_norm_sq(grads), group=self.group)
+        local = self.local_norm_sq(grads)
+        if self.offloaded_step is not None:
+            local *= self._inv_scale ** 2  # exact for the dynamic scaler's powers of two
+        total = comm.all_reduce_scalar(local, group=self.group)
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
+    def _clip_grads(self, grads: list[torch.Tensor], coef: float) -> None:
+        if self.offloaded_step is not None:
+            self._clip_coef = coef  # applied on the host, after unscaling, as the in-memory path orders it
+        else:
+            super()._clip_grads(grads, coef)
+
     def _optimizer_step(self) -> None:
+        if self.offloaded_step is not None:
+            self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef)
+            self._stepped_with_copy = self.copy_out is not None
+            return
         if self.copy_out is None:
             self.optimizer.step()
             return
@@ -152,6 +174,8 @@ class ShardedOptimizer(ZeroOptimizer):
             tally.add("master_params", self.chunks)
         if self.copy_out is not None:
             tally.add("buffers", self.copy_out)
+        if self.offloaded_step is not None:
+            tally.add("buffers", self.offloaded_step.held_tensors())
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         tally.add("buffers", self.grad_store.comm_buffers())

@@ -1,0 +1,175 @@
+"""One GPU: GPT throughput (tokens/s, model TFLOP/s) per ZeRO stage, precision and offload, and the largest
+GPT that trains.
+
+    python benchmarks/bench_gpu.py [--models 350m,1.3b] [--quick] [--largest] [--out FILE]
+
+Each run is a fresh single-rank process (RANK=0, WORLD_SIZE=1, NCCL) running
+benchmarks/gpu_worker.py: GPT from examples/gpt/model.py built on the GPU,
+sequence 2048, vocabulary 50304, AdamW, gradient clipping 1.0; ``--warmup``
+untimed steps, then the median of ``--steps`` timed steps (forward, backward,
+optimizer step, synchronised). Model TFLOP/s counts 6 FLOPs per weight per
+token plus causal attention (see gpu_worker.flops_per_token); the ratio to the
+GPU's dense bf16 peak (989 TFLOP/s for an H100 SXM, from its datasheet) and to
+a measured 8192³ bf16 matmul in the same run are both reported.
+
+``--largest`` grows the model (depth at width 4096) under stage 3 with and
+without optimizer offload until a run fails, and reports the largest that
+trained a few steps with a finite loss.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = {  # GPT-3 paper shapes (heads of 64/128 dims, as flash attention likes)
+    "tiny": dict(n_layer=2, n_embd=256, n_head=4, block_size=256, vocab_size=50304),
+    "350m": dict(n_layer=24, n_embd=1024, n_head=16, block_size=2048, vocab_size=50304),
+    "1.3b": dict(n_layer=24, n_embd=2048, n_head=16, block_size=2048, vocab_size=50304),
+}
+PEAK_BF16 = {"H100": 989.0, "H200": 989.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(spec: dict, timeout: float) -> dict:
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, os.path.join(HERE, "gpu_worker.py"), json.dumps(spec)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**spec, "error": f"timed out after {timeout:.0f}s"}
+    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {**spec, "error": f"exit {done.returncode}: " + " | ".join(tail)}
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def matmul_tflops() -> float:
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def throughput_runs(models: list[str], micro: int) -> list[dict]:
+    runs = []
+    for name in models:
+        for stage in (0, 1, 2, 3):
+            runs.append({"name": name, "stage": stage, "dtype": "bf16"})
+        runs.append({"name": name, "stage": 2, "dtype": "fp16"})
+        for stage in (1, 2, 3):
+            runs.append({"name": name, "stage": stage, "dtype": "bf16", "offload_optimizer": True})
+    for r in runs:
+        r.update(model=MODELS[r["name"]], micro=micro)
+    return runs
+
+
+def largest_runs(max_layers: int, step: int) -> list[dict]:
+    runs = []
+    for offload in (False, True):
+        for n_layer in range(step, max_layers + 1, step):
+            runs.append({"name": f"w4096-L{n_layer}", "stage": 3, "dtype": "bf16", "offload_optimizer": offload,
+                         "micro": 1, "model": dict(n_layer=n_layer, n_embd=4096, n_head=32, block_size=1024,
+                                                   vocab_size=50304)})
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="350m,1.3b")
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="the tiny model only (smoke test)")
+    parser.add_argument("--largest", action="store_true", help="search the largest trainable GPT instead")
+    parser.add_argument("--max_layers", type=int, default=48)
+    parser.add_argument("--layer_step", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here", file=sys.stderr)
+        return 1
+    gpu = torch.cuda.get_device_name()
+    measured_peak = matmul_tflops()
+    torch.cuda.empty_cache()
+    datasheet = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+    if args.largest:
+        runs = largest_runs(args.max_layers, args.layer_step)
+    else:
+        runs = throughput_runs(["tiny"] if args.quick else args.models.split(","), 2 if args.quick else args.micro)
+    results, failed_at = [], {}
+    for spec in runs:
+        spec.update(warmup=args.warmup, steps=args.steps)
+        key = (spec.get("offload_optimizer", False),)
+        if args.largest and key in failed_at:
+            continue  # a smaller model of this kind already failed
+        result = run_one(spec, args.timeout)
+        if "model_tflops" in result:
+            result["mfu_datasheet"] = result["model_tflops"] / datasheet if datasheet else None
+            result["mfu_measured_matmul"] = result["model_tflops"] / measured_peak
+        results.append(result)
+        _print_row(result)
+        _write(args.out, {"gpu": gpu, "partial": True, "runs": results})
+        if args.largest and ("error" in result or not result.get("finite")):
+            failed_at[key] = spec["name"]
+    report = {"gpu": gpu, "torch": torch.__version__, "matmul_bf16_tflops": measured_peak,
+              "datasheet_bf16_tflops": datasheet, "runs": results}
+    if args.largest:
+        report["largest"] = {
+            ("offload" if off else "no_offload"): max((r for r in results if r.get("finite") and
+                                                       r.get("offload_optimizer", False) == off),
+                                                      key=lambda r: r["params"], default=None)
+            for off in (False, True)}
+        for kind, best in report["largest"].items():
+            print(f"largest trained ({kind}): " + (f"{best['params'] / 1e9:.2f}B params ({best['name']})"
+                                                   if best else "none"))
+    _write(args.out, report)
+    print(f"{gpu}: measured bf16 matmul {measured_peak:.0f} TFLOP/s; wrote {args.out}")
+    return 0
+
+
+def _write(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def _print_row(r: dict) -> None:
+    what = f"{r['name']:>10} s{r['stage']} {r['dtype']}{' +offload' if r.get('offload_optimizer') else '':9}"
+    if "error" in r:
+        print(f"{what} | {r['error'][:150]}", flush=True)
+        return
+    mfu = f"{100 * r['mfu_datasheet']:.1f}%" if r.get("mfu_datasheet") else "-"
+    print(f"{what} | {r['params'] / 1e6:8.0f}M | {r['tokens_per_s']:9.0f} tok/s | {r['model_tflops']:6.1f} TFLOP/s "
+          f"| MFU {mfu} | peak {r['peak_gpu_gib']:.1f} GiB | loss {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
