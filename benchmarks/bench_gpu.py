@@ -12,9 +12,9 @@ token plus causal attention (see gpu_worker.flops_per_token); the ratio to the
 GPU's dense bf16 peak (989 TFLOP/s for an H100 SXM, from its datasheet) and to
 a measured 8192³ bf16 matmul in the same run are both reported.
 
-``--largest`` grows the model (depth at width 4096) under stage 3 with and
-without optimizer offload until a run fails, and reports the largest that
-trained a few steps with a finite loss.
+``--largest`` grows the model (depth at width 4096, sequence 1024, micro batch 1)
+under stage 3 with and without optimizer offload through the depths given until
+a run fails, and reports the largest that trained a few steps with a finite loss.
 """
 from __future__ import annotations
 
@@ -86,10 +86,10 @@ def throughput_runs(models: list[str], micro: int) -> list[dict]:
     return runs
 
 
-def largest_runs(max_layers: int, step: int) -> list[dict]:
+def largest_runs(layers: dict[bool, list[int]]) -> list[dict]:
     runs = []
     for offload in (False, True):
-        for n_layer in range(step, max_layers + 1, step):
+        for n_layer in layers[offload]:
             runs.append({"name": f"w4096-L{n_layer}", "stage": 3, "dtype": "bf16", "offload_optimizer": offload,
                          "micro": 1, "model": dict(n_layer=n_layer, n_embd=4096, n_head=32, block_size=1024,
                                                    vocab_size=50304)})
@@ -104,8 +104,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="the tiny model only (smoke test)")
     parser.add_argument("--largest", action="store_true", help="search the largest trainable GPT instead")
-    parser.add_argument("--max_layers", type=int, default=48)
-    parser.add_argument("--layer_step", type=int, default=8)
+    parser.add_argument("--layers", default="8,16,20,24", help="--largest: depths tried without offload")
+    parser.add_argument("--offload_layers", default="16,24,32,40", help="--largest: depths tried with offload")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
     args = parser.parse_args()
@@ -120,7 +120,8 @@ def main() -> int:
     torch.cuda.empty_cache()
     datasheet = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
     if args.largest:
-        runs = largest_runs(args.max_layers, args.layer_step)
+        runs = largest_runs({False: [int(n) for n in args.layers.split(",")],
+                             True: [int(n) for n in args.offload_layers.split(",")]})
     else:
         runs = throughput_runs(["tiny"] if args.quick else args.models.split(","), 2 if args.quick else args.micro)
     results, failed_at = [], {}
