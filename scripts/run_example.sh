@@ -8,7 +8,7 @@ CKPT=${ZE_EXAMPLE_CHECKPOINT_DIR:-$(mktemp -d)/example_gpt}
 "$PY" -m zeroengine.launcher.main --num_procs 2 examples/gpt/train.py \
   --zeroengine_config examples/gpt/config.json --save_dir "$CKPT" "$@"
 # The sharded checkpoint it saved, consolidated into one plain fp32 state_dict.
-"$PY" -m zeroengine.checkpoint.consolidate "$CKPT" "$CKPT/model_fp32.pt"
+"$PY" -m zeroengine.checkpoint "$CKPT" "$CKPT/model_fp32.pt"
 # The config's monitor section wrote runs/gpt/metrics.csv and a TensorBoard event file; draw the CSV.
 if "$PY" -c "import matplotlib" 2>/dev/null; then
   "$PY" -m zeroengine.monitor.plot runs/gpt -o runs/gpt/metrics.png

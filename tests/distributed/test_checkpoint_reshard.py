@@ -112,7 +112,7 @@ def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
     for name, value in saved.items():
         assert torch.equal(state[name], value), name
     out = tmp_path / "model.pt"
-    done = subprocess.run([sys.executable, "-m", "zeroengine.checkpoint.consolidate", save_dir, str(out)],
+    done = subprocess.run([sys.executable, "-m", "zeroengine.checkpoint", save_dir, str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     model = make_model(seed=5)
