@@ -68,8 +68,7 @@ def train_parity(rank, world, stage, ep_size, clip, gas, drop_tokens):
 
 
 @pytest.mark.parametrize("stage,world,ep_size,clip,gas,drop", [
-    (0, 2, 2, 0.5, 1, False), (1, 2, 2, 0.5, 2, False), (2, 2, 2, 0.5, 1, True), (2, 4, 2, 0.5, 2, False),
-    (0, 4, 4, 0.5, 1, False)])
+    (1, 2, 2, 0.5, 2, False), (2, 2, 2, 0.5, 1, True), (2, 4, 2, 0.5, 2, False), (0, 4, 2, 0.5, 1, False)])
 def test_matches_single_process_with_every_expert(stage, world, ep_size, clip, gas, drop):
     ref = reference_run(world, clip, gas, drop)
     results = run_distributed(train_parity, world, stage, ep_size, clip, gas, drop)
