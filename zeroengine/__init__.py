@@ -16,7 +16,8 @@ _EXPORTS = {
     "init_distributed": "zeroengine.comm",
     "initialize": "zeroengine.initialization",
 }
-_SUBMODULES = {"comm", "config", "ops", "testing", "zero", "optim", "precision", "launcher", "checkpointing", "checkpoint"}
+_SUBMODULES = {"comm", "config", "ops", "testing", "zero", "optim", "precision", "launcher", "checkpointing", "checkpoint",
+               "moe"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
