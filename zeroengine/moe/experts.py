@@ -38,5 +38,7 @@ def run_experts(experts: nn.ModuleList, x: torch.Tensor, counts: Sequence[int]) 
     Every expert runs, even on zero rows, so every expert parameter gets a
     gradient (zeros) each step and gradient hooks fire identically on all ranks.
     """
+    if len(experts) == 1:  # one expert per rank (ep_size == num_experts): no split / concatenate copies
+        return experts[0](x)
     chunks = x.split(list(counts))
     return torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
