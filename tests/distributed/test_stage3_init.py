@@ -157,3 +157,17 @@ def test_building_under_init_peaks_at_about_one_over_n_of_the_parameters():
         assert counted <= full / world + layer + 4096, counted
         # and the process really grew by about that much, not by the model
         assert growth <= full / world + 2 * layer + 4 * 2**20, (growth / 2**20, full / 2**20)
+
+
+def _wrong_stage(rank, world):
+    model, _ = _init_gpt()
+    try:
+        zeroengine.initialize(model=model, config=base_config(2, 1, world, 0.0, stage=2))
+    except zeroengine.ConfigError as exc:
+        return exc.key_path, str(exc)
+    return None, ""
+
+
+def test_an_init_model_given_a_stage_below_3_is_refused_by_name():
+    key, message = run_distributed(_wrong_stage, 1)[0]
+    assert key == "zero_optimization.stage" and "zero.Init" in message

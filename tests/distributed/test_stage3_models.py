@@ -153,3 +153,64 @@ def test_a_changed_module_order_drops_the_trace_and_records_it_again():
         # there), 4 records the new order, 5 replays it
         assert on_demand[1] == on_demand[2] == on_demand[5] == 1, on_demand
         assert on_demand[3] > 1 and on_demand[4] > 1, on_demand
+
+
+class TransposedLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.t())
+
+
+class SavesViews(nn.Module):
+    """Layers that use ``x @ w.t()``: autograd saves the view ``w.t()`` of the gathered buffer, not the
+    parameter, so a released buffer must not be reused (or freed) while that view waits for backward.
+    The last layer's weights sit in a ParameterList (a container that never runs forward itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(TransposedLinear() for _ in range(4))
+        self.extra = nn.ParameterList(nn.Parameter(torch.randn(D, D) * 0.3) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        for w in self.extra:
+            x = torch.tanh(x @ w.t())
+        return x.square().mean()
+
+
+def _views_model():
+    torch.manual_seed(0)
+    return SavesViews()
+
+
+def _views_train(rank, world, steps):
+    cfg = _config(world)
+    # release right after forward and prefetch little: buffers are freed and reused within the pass
+    cfg["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=D * D)
+    engine, _, _, _ = zeroengine.initialize(model=_views_model(), config=cfg)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(world * 2, D, generator=g)
+        engine.backward(engine(x[rank * 2:(rank + 1) * 2]))
+        engine.step()
+    with GatheredParameters(list(engine.module.parameters())):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_views_saved_for_backward_keep_their_values():
+    steps, world = 3, 2
+    model = _views_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.01)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(world * 2, D, generator=g)
+        (sum(model(x[r * 2:(r + 1) * 2]) for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    for state in run_distributed(_views_train, world, steps):
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")

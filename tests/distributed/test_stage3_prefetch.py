@@ -1,5 +1,7 @@
 """Stage 3's fetch policy: prefetch along the recorded module order, max live elements, reuse distance,
 persistent small parameters. Counted through the buffers' FetchStats; numbers must not change."""
+import functools
+
 import torch
 
 import zeroengine
@@ -35,6 +37,17 @@ def _train(rank, world, zero_extra):
     return stats, units, persistent_whole, params_bytes, buffer.layout.shard_numel, state
 
 
+@functools.lru_cache(maxsize=None)
+def _run(**zero_extra):
+    """One 2-rank run per distinct config, shared by the tests below (each costs seconds here)."""
+    return run_distributed(_train, WORLD, zero_extra)
+
+
+@functools.lru_cache(maxsize=1)
+def _reference():
+    return reference_run(STEPS, 1, WORLD, micro=2, clip=0.5)[1]
+
+
 def _check_parity(results, ref):
     for *_, state in results:
         for name, want in ref.items():
@@ -42,9 +55,9 @@ def _check_parity(results, ref):
 
 
 def test_prefetch_leaves_one_blocking_gather_per_pass_and_keeps_the_numbers():
-    _, ref = reference_run(STEPS, 1, WORLD, micro=2, clip=0.5)
-    ahead = run_distributed(_train, WORLD, {})  # defaults: 5e7 elements ahead
-    none = run_distributed(_train, WORLD, {"stage3_prefetch_bucket_size": 0})
+    ref = _reference()
+    ahead = _run()  # defaults: 5e7 elements ahead
+    none = _run(stage3_prefetch_bucket_size=0)
     _check_parity(ahead, ref)
     _check_parity(none, ref)
     passes = STEPS - 1
@@ -61,11 +74,11 @@ def test_prefetch_leaves_one_blocking_gather_per_pass_and_keeps_the_numbers():
 
 
 def test_max_live_parameters_bounds_the_gathered_elements():
-    _, ref = reference_run(STEPS, 1, WORLD, micro=2, clip=0.5)
-    free = run_distributed(_train, WORLD, {})
+    ref = _reference()
+    free = _run()
     largest = max(n for n, _ in free[0][1])
     limit = 3 * largest
-    bounded = run_distributed(_train, WORLD, {"stage3_max_live_parameters": limit})
+    bounded = _run(stage3_max_live_parameters=limit)
     _check_parity(bounded, ref)
     assert free[0][0]["peak_live_numel"] > limit  # without the bound, more is alive at once
     for stats, *_ in bounded:
@@ -75,8 +88,8 @@ def test_max_live_parameters_bounds_the_gathered_elements():
 
 def test_reuse_distance_keeps_parameters_gathered_between_forward_and_backward():
     ahead = {"stage3_prefetch_bucket_size": 4096}  # about one module ahead, so prefetch alone keeps little alive
-    keep = run_distributed(_train, WORLD, ahead)  # default distance 1e9: everything is reused
-    drop = run_distributed(_train, WORLD, {**ahead, "stage3_max_reuse_distance": 0})
+    keep = _run(**ahead)  # default distance 1e9: everything is reused
+    drop = _run(**ahead, stage3_max_reuse_distance=0)
     passes = STEPS - 1
     total = sum(n for n, _ in keep[0][1])
     # kept from its forward to its backward, each unit is gathered exactly once per pass
@@ -87,8 +100,8 @@ def test_reuse_distance_keeps_parameters_gathered_between_forward_and_backward()
 
 
 def test_small_parameters_persist_whole_and_are_never_gathered_by_modules():
-    _, ref = reference_run(STEPS, 1, WORLD, micro=2, clip=0.5)
-    results = run_distributed(_train, WORLD, {"stage3_param_persistence_threshold": 200})
+    ref = _reference()
+    results = _run(stage3_param_persistence_threshold=200)
     _check_parity(results, ref)
     passes = STEPS - 1
     for stats, units, whole, params_bytes, shard_numel, _ in results:

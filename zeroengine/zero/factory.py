@@ -20,10 +20,10 @@ from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
 from .layout import build_layout
 from .moe_split import ExpertDataParallelOptimizer, build_sharded_with_experts, split_domains
 from .gathered import register_partitioned
-from .init import InitReshard
+from .init import InitReshard, is_init_partitioned
 from .optimizer import ZeroOptimizer
 from .param_guard import full_shape
-from .partitioned_params import FetchStats, PartitionedParamBuffer
+from .partitioned_params import FetchStats, GatherPool, PartitionedParamBuffer
 from .sharded import ShardedOptimizer
 from .stage3 import Stage3Optimizer, Stage3Params, persistent_buckets, split_params
 from .stage3_hooks import FetchPolicy, Stage3Hooks, Unit
@@ -37,6 +37,10 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
                          allow_untested_optimizer: bool = False) -> ZeroOptimizer:
     if stage > 0:
         check_shardable(optimizer, allow_untested_optimizer)
+    if stage != 3 and any(is_init_partitioned(p) for p in module.parameters()):
+        raise ConfigError("zero_optimization.stage", f"the model was built under zeroengine.zero.Init, which "
+                          f"partitions its parameters for ZeRO stage 3, but the config asks for stage {stage}; "
+                          "use stage 3, or build the model without Init")
     # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
     stepped = {id(p) for p in _optimizer_params(optimizer)}
     domains = split_domains([p for p in reversed(list(module.parameters())) if id(p) in stepped])
@@ -125,14 +129,14 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     bucket_numel = int(zero_config.reduce_bucket_size)
     # Parameters built under zero.Init arrive as per-parameter slices: re-cut into the bucket layout.
     reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.mixed)
-    stats = FetchStats()
+    stats, pool = FetchStats(), GatherPool()  # shared by the trainable and frozen buffers
 
     def buffer_of(part: Stage3Params, offset: int):
         layout = build_layout([full_shape(p).numel() for p in part.params], world, bucket_numel,
                               segments=part.segments)
         return PartitionedParamBuffer(
             part.params, layout, policy.param_dtype, rank, names=part.names,
-            persistent=persistent_buckets(layout, part.persistent_from), stats=stats,
+            persistent=persistent_buckets(layout, part.persistent_from), stats=stats, pool=pool,
             chunk_source=lambda bucket: reshard.chunk(_shifted(bucket, offset), policy.param_dtype))
 
     buffer = buffer_of(trainable, 0)

@@ -55,10 +55,54 @@ class FetchStats:
         self.live_numel = self.peak_live_numel = live
 
 
+class GatherPool:
+    """Full-bucket buffers kept for reuse, by size.
+
+    A pass gathers and frees each unit once or twice, in a pattern that
+    repeats every step; fresh allocations of those sizes between the
+    long-lived shards fragment the process heap (measured on the 26M GPT: peak
+    RSS grew by 2x the live bytes). Reusing freed buffers of the same size
+    makes the steady state allocation-free. The pool only ever holds buffers
+    that were live at the same time, so it is bounded by the peak of gathered
+    elements (``stage3_max_live_parameters``); ``memory_breakdown()`` reports
+    it under "buffers".
+    """
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((numel, dtype, device), [])
+        for i, buffer in enumerate(free):
+            # A buffer that autograd still reads through a saved view (``x @ w.t()`` saves ``w.t()``,
+            # not the parameter) keeps its forward values until that backward: not reusable before.
+            if _sole_owner(buffer):
+                return free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [t for free in self._free.values() for t in free]
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+def _sole_owner(buffer: torch.Tensor) -> bool:
+    """True when no other tensor (a view) shares ``buffer``'s storage."""
+    try:
+        # 2 = ``buffer`` itself + the temporary storage object of this call.
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    except (AttributeError, RuntimeError):  # a torch without the query: never reuse
+        return False
+
+
 class PartitionedParamBuffer(ParamBuffer):
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None, names: list[str] | None = None, persistent: frozenset[int] = frozenset(),
-                 chunk_source=None, stats: FetchStats | None = None):
+                 chunk_source=None, stats: FetchStats | None = None, pool: GatherPool | None = None):
         """``chunk_source(bucket)`` returns this rank's chunk of a bucket (default: read from the full
         parameters); ``persistent`` names buckets that stay gathered."""
         super().__init__(params, layout, dtype, rank, group)
@@ -66,6 +110,7 @@ class PartitionedParamBuffer(ParamBuffer):
         self.names = names or [f"param{i}" for i in range(len(params))]
         self.persistent = persistent
         self.stats = stats if stats is not None else FetchStats()  # one object may serve several buffers
+        self.pool = pool if pool is not None else GatherPool()
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=self.device)
         self._chunk_start = []
         offset = 0
@@ -101,7 +146,7 @@ class PartitionedParamBuffer(ParamBuffer):
 
     # -- gather / release -------------------------------------------------------
     def _launch(self, bucket: Bucket, label: str, async_op: bool):
-        full = torch.empty(bucket.padded_numel, dtype=self.dtype, device=self.shard.device)
+        full = self.pool.take(bucket.padded_numel, self.dtype, self.shard.device)
         self.full[bucket.index] = full
         if bucket.index not in self.persistent:
             self.stats.live_numel += bucket.padded_numel
@@ -152,6 +197,7 @@ class PartitionedParamBuffer(ParamBuffer):
         if self._pending[bucket.index] is not None:  # its buffer is being written: finish first
             self._pending[bucket.index].wait()
             self._pending[bucket.index] = None
+        self.pool.give(self.full[bucket.index])
         self.full[bucket.index] = None
         if bucket.index not in self.persistent:
             self.stats.live_numel -= bucket.padded_numel

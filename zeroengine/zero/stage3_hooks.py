@@ -35,6 +35,9 @@ from .partitioned_params import PartitionedParamBuffer
 from .prefetch import ExecutionTrace, FetchEvent, TraceState
 
 
+_CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
 @dataclass(frozen=True)
 class Unit:
     buffer: PartitionedParamBuffer
@@ -75,10 +78,19 @@ class Stage3Hooks:
         self.prefetched: set[int] = set()  # fetched ahead, not yet asked for
         self.kept: set[int] = set()  # kept gathered after use (reuse distance)
         self.handles = [module.register_forward_pre_hook(self._begin_pass)]
+        owned_by: dict[str, set[int]] = defaultdict(set)
+        runs = {}
         for name, m in module.named_modules():
-            owned = {unit_of_param[id(p)] for p in m._parameters.values()
-                     if p is not None and id(p) in unit_of_param}
-            owned = tuple(sorted(u for u in owned if not units[u].persistent))
+            # Containers never run forward: their parameters (a ParameterList's, say) are used by the
+            # nearest ancestor that does run, so that ancestor fetches them.
+            host = name
+            while host and isinstance(runs.get(host, m), _CONTAINERS):
+                host = host.rpartition(".")[0]
+            runs[name] = m
+            owned_by[host] |= {unit_of_param[id(p)] for p in m._parameters.values()
+                               if p is not None and id(p) in unit_of_param}
+        for name, m in module.named_modules():
+            owned = tuple(sorted(u for u in owned_by.get(name, ()) if not units[u].persistent))
             if not owned:
                 continue
             label = name or type(m).__name__
