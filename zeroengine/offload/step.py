@@ -38,8 +38,10 @@ class OffloadedStep:
         self._pending: list[tuple] = [None, None]
 
     @torch.no_grad()
-    def run(self, device_grads: list[torch.Tensor | None], inv_scale: float, clip_coef: float) -> None:
-        """Step every bucket: ``device_grads[b]`` is bucket b's (loss-scaled) gradient chunk on the accelerator."""
+    def run(self, device_grads: list[torch.Tensor | None], inv_scale: float, clip_coef: float,
+            bucket_done=None) -> None:
+        """Step every bucket: ``device_grads[b]`` is bucket b's (loss-scaled) gradient chunk on the accelerator;
+        ``bucket_done(b)`` (optional) starts sending bucket b's updated values back while b+1 steps."""
         buckets = self.layout.buckets
         for b in range(min(2, len(buckets))):
             self._copy_down(b, device_grads[b])
@@ -50,6 +52,8 @@ class OffloadedStep:
             if clip_coef != 1.0:
                 grad.mul_(clip_coef)
             self._step_bucket(b, bucket, grad)
+            if bucket_done is not None:
+                bucket_done(b)
             if b + 2 < len(buckets):  # the buffer bucket b used is free again
                 self._copy_down(b + 2, device_grads[b + 2])
 

@@ -59,14 +59,27 @@ class FlatParamBuffer(ParamBuffer):
 
     def after_step(self, chunks: list[torch.Tensor]) -> None:
         """All-gather every bucket's updated chunks into every rank's parameters."""
-        works = []
-        for bucket, chunk in zip(self.layout.buckets, chunks):
-            # A copy, not the chunk itself: in fp32 the chunk aliases the all-gather's output.
-            source = chunk.to(device=self.flat.device, dtype=self.flat.dtype, copy=True)
-            works.append((comm.all_gather(self.bucket_view(bucket), source, group=self.group, async_op=True), source))
-        for work, _ in works:
+        self.finish_refresh([self.start_refresh(bucket, chunk) for bucket, chunk in zip(self.layout.buckets, chunks)])
+
+    def start_refresh(self, bucket: Bucket, chunk: torch.Tensor) -> tuple:
+        """Start the all-gather of one bucket's updated chunk (an offloaded step overlaps it with the next
+        bucket's CPU step); :meth:`finish_refresh` waits for what this returns."""
+        # A copy, not the chunk itself: in fp32 the chunk aliases the all-gather's output.
+        async_copy = chunk.is_pinned() and self.flat.is_cuda
+        source = chunk.to(device=self.flat.device, dtype=self.flat.dtype, copy=True, non_blocking=async_copy)
+        copied = None
+        if async_copy:  # the host buffer is rewritten by the next step: know when the copy has read it
+            copied = torch.cuda.Event()
+            copied.record()
+        return comm.all_gather(self.bucket_view(bucket), source, group=self.group, async_op=True), source, copied
+
+    @staticmethod
+    def finish_refresh(pending: list[tuple]) -> None:
+        for work, _, copied in pending:
             if work is not None:
                 work.wait()
+            if copied is not None:
+                copied.synchronize()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.flat]

@@ -57,6 +57,7 @@ class ShardedOptimizer(ZeroOptimizer):
         self.offloaded_step = None if offload is None else OffloadedStep(
             optimizer, self.layout, rank, self.pieces, self.copy_out, bool(offload.pin_memory))
         self._inv_scale, self._clip_coef = 1.0, 1.0
+        self._refreshing: list[tuple] = []
         self._fp32_chunk_grads: list[torch.Tensor] = []
         self._after_backward = after_backward
 
@@ -138,7 +139,11 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def _optimizer_step(self) -> None:
         if self.offloaded_step is not None:
-            self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef)
+            values = self.copy_out if self.copy_out is not None else self.chunks
+            refresh = getattr(self.flat_params, "start_refresh", None)  # stages 1-2: overlap the copy back
+            bucket_done = None if refresh is None else (
+                lambda b: self._refreshing.append(refresh(self.layout.buckets[b], values[b])))
+            self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef, bucket_done)
             self._stepped_with_copy = self.copy_out is not None
             return
         if self.copy_out is None:
@@ -154,6 +159,10 @@ class ShardedOptimizer(ZeroOptimizer):
         # Stages 1-2 all-gather the updated chunks; stage 3 only refreshes its local shard.
         fused = self._stepped_with_copy
         self._stepped_with_copy = False
+        if self._refreshing:  # the offloaded step already started every bucket's refresh
+            pending, self._refreshing = self._refreshing, []
+            self.flat_params.finish_refresh(pending)
+            return
         self.flat_params.after_step(self.copy_out if fused else self.chunks)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
