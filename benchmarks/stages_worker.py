@@ -50,6 +50,7 @@ class Variant:
     stage: int = 0
     reduce_bucket_size: int = 50_000_000
     overlap_comm: bool = False
+    zero_init: bool = False  # build the model under zeroengine.zero.Init (stage 3)
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,18 @@ def peak_rss_bytes() -> int:
 # --------------------------------------------------------------------------- model, data, optimizer
 
 
-def build_model(shape: ModelShape, seed: int):
+def build_model(shape: ModelShape, seed: int, zero_init: bool = False):
     import torch
 
     sys.path.insert(0, str(REPO / "examples" / "gpt"))
     from model import GPT, GPTConfig
 
     torch.manual_seed(seed)  # same initial weights on every rank and in every variant
+    if zero_init:  # each rank keeps only its slice of every parameter from the start (same values)
+        from zeroengine.zero import Init
+
+        with Init():
+            return GPT(GPTConfig(**asdict(shape)))
     return GPT(GPTConfig(**asdict(shape)))
 
 
@@ -436,7 +442,7 @@ def _prewarm(variant: Variant, spec: RunSpec, rank: int) -> None:
 
     tiny = RunSpec(model=PREWARM_MODEL, micro_batch=2, warmup_steps=2, world_size=spec.world_size,
                    data_batches=2, seed=spec.seed)
-    trainer = TRAINERS[variant.kind](build_model(tiny.model, tiny.seed), tiny, variant)
+    trainer = TRAINERS[variant.kind](build_model(tiny.model, tiny.seed, variant.zero_init), tiny, variant)
     for x, y in make_batches(tiny, rank):
         trainer.step(x, y)
     trainer.close()
@@ -453,7 +459,7 @@ def _setup(variant: Variant, spec: RunSpec, rank: int, port: int) -> dict:
     if spec.prewarm:
         _prewarm(variant, spec, rank)
     rss["before_model"] = rss_bytes()
-    model = build_model(spec.model, spec.seed)
+    model = build_model(spec.model, spec.seed, variant.zero_init)
     num_params = sum(p.numel() for p in model.parameters())
     rss["after_model"] = rss_bytes()
     trainer = TRAINERS[variant.kind](model, spec, variant)

@@ -13,7 +13,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(REPO, "benchmarks", "bench_stages.py")
-VARIANTS = {"ddp", "fsdp2", "ze-s0", "ze-s1", "ze-s2", "ze-s3"}
+VARIANTS = {"ddp", "fsdp2", "ze-s0", "ze-s1", "ze-s2", "ze-s3", "ze-s3+init"}
 
 
 def _finite(value) -> bool:
@@ -47,7 +47,7 @@ def test_quick_run_reports_every_variant_with_finite_numbers(tmp_path):
         assert _finite(row["comm"]["wire_bytes_per_step"]) and row["comm"]["wire_bytes_per_step"] > 0, name
         assert _finite(row["comm"]["payload_bytes_per_step"]), name
     assert rows["ddp"]["ratio_to_ddp"] == 1.0
-    for name in ("ze-s0", "ze-s1", "ze-s2", "ze-s3"):
+    for name in ("ze-s0", "ze-s1", "ze-s2", "ze-s3", "ze-s3+init"):
         # memory_breakdown() is there, and (up to alignment padding, and stage 3's few persistent
         # LayerNorm/bias vectors) DESIGN.md's formula
         assert abs(rows[name]["model_states_over_formula"] - 1.0) < 0.1, (name, rows[name]["model_states_over_formula"])

@@ -23,7 +23,7 @@ from .gathered import register_partitioned
 from .init import InitReshard, is_init_partitioned
 from .optimizer import ZeroOptimizer
 from .param_guard import full_shape
-from .partitioned_params import FetchStats, GatherPool, PartitionedParamBuffer
+from .partitioned_params import FetchStats, PartitionedParamBuffer
 from .sharded import ShardedOptimizer
 from .stage3 import Stage3Optimizer, Stage3Params, persistent_buckets, split_params
 from .stage3_hooks import FetchPolicy, Stage3Hooks, Unit
@@ -129,14 +129,14 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     bucket_numel = int(zero_config.reduce_bucket_size)
     # Parameters built under zero.Init arrive as per-parameter slices: re-cut into the bucket layout.
     reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.mixed)
-    stats, pool = FetchStats(), GatherPool()  # shared by the trainable and frozen buffers
+    stats = FetchStats()  # shared by the trainable and frozen buffers
 
     def buffer_of(part: Stage3Params, offset: int):
         layout = build_layout([full_shape(p).numel() for p in part.params], world, bucket_numel,
                               segments=part.segments)
         return PartitionedParamBuffer(
             part.params, layout, policy.param_dtype, rank, names=part.names,
-            persistent=persistent_buckets(layout, part.persistent_from), stats=stats, pool=pool,
+            persistent=persistent_buckets(layout, part.persistent_from), stats=stats,
             chunk_source=lambda bucket: reshard.chunk(_shifted(bucket, offset), policy.param_dtype))
 
     buffer = buffer_of(trainable, 0)

@@ -16,7 +16,19 @@ every rank keeps them whole, and only their optimizer state and gradients are
 partitioned. Autograd keeps working across release/gather because a saved
 leaf parameter is read through the Parameter object, whose ``.data`` is
 gathered again before the module's backward runs (see
-:mod:`zeroengine.zero.stage3_hooks`).
+:mod:`zeroengine.zero.stage3_hooks`), and saved views through the storage
+(see the note below).
+
+Note: one storage per bucket.
+Autograd saves *views* of gathered parameters, not only the parameters: on
+CPU ``F.linear`` saves ``weight.t()``, and user code like ``x @ w.t()`` does
+the same. Pointing a released parameter at a new buffer for backward would
+leave those views on the old buffer, alive (so nothing is freed) and stale if
+it were ever reused. So each bucket keeps one full-size tensor for the
+buffer's lifetime (as torch FSDP2 does): release resizes its storage to 0
+bytes (the memory is freed, views become empty), and the next gather resizes
+it back and all-gathers into the same storage, so every view saved in forward
+sees the values again in backward.
 """
 from __future__ import annotations
 
@@ -55,54 +67,10 @@ class FetchStats:
         self.live_numel = self.peak_live_numel = live
 
 
-class GatherPool:
-    """Full-bucket buffers kept for reuse, by size.
-
-    A pass gathers and frees each unit once or twice, in a pattern that
-    repeats every step; fresh allocations of those sizes between the
-    long-lived shards fragment the process heap (measured on the 26M GPT: peak
-    RSS grew by 2x the live bytes). Reusing freed buffers of the same size
-    makes the steady state allocation-free. The pool only ever holds buffers
-    that were live at the same time, so it is bounded by the peak of gathered
-    elements (``stage3_max_live_parameters``); ``memory_breakdown()`` reports
-    it under "buffers".
-    """
-
-    def __init__(self):
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.get((numel, dtype, device), [])
-        for i, buffer in enumerate(free):
-            # A buffer that autograd still reads through a saved view (``x @ w.t()`` saves ``w.t()``,
-            # not the parameter) keeps its forward values until that backward: not reusable before.
-            if _sole_owner(buffer):
-                return free.pop(i)
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self._free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
-
-    def held_tensors(self) -> list[torch.Tensor]:
-        return [t for free in self._free.values() for t in free]
-
-    def clear(self) -> None:
-        self._free.clear()
-
-
-def _sole_owner(buffer: torch.Tensor) -> bool:
-    """True when no other tensor (a view) shares ``buffer``'s storage."""
-    try:
-        # 2 = ``buffer`` itself + the temporary storage object of this call.
-        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
-    except (AttributeError, RuntimeError):  # a torch without the query: never reuse
-        return False
-
-
 class PartitionedParamBuffer(ParamBuffer):
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None, names: list[str] | None = None, persistent: frozenset[int] = frozenset(),
-                 chunk_source=None, stats: FetchStats | None = None, pool: GatherPool | None = None):
+                 chunk_source=None, stats: FetchStats | None = None):
         """``chunk_source(bucket)`` returns this rank's chunk of a bucket (default: read from the full
         parameters); ``persistent`` names buckets that stay gathered."""
         super().__init__(params, layout, dtype, rank, group)
@@ -110,7 +78,6 @@ class PartitionedParamBuffer(ParamBuffer):
         self.names = names or [f"param{i}" for i in range(len(params))]
         self.persistent = persistent
         self.stats = stats if stats is not None else FetchStats()  # one object may serve several buffers
-        self.pool = pool if pool is not None else GatherPool()
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=self.device)
         self._chunk_start = []
         offset = 0
@@ -122,7 +89,10 @@ class PartitionedParamBuffer(ParamBuffer):
                 chunk = chunk_source(bucket) if chunk_source is not None else gather_chunk(params, bucket, rank,
                                                                                            dtype)
                 self.chunk_view(bucket, rank).copy_(chunk)
-        self.full: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        self.full: list[torch.Tensor | None] = [None] * len(layout.buckets)  # set while gathered / in flight
+        # One full-size tensor per bucket for the buffer's lifetime; its storage is freed (resized to 0)
+        # on release and re-allocated for the next gather (see "Note: one storage per bucket").
+        self._storage: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._pending: list[object | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         for bucket in layout.buckets:
@@ -146,7 +116,12 @@ class PartitionedParamBuffer(ParamBuffer):
 
     # -- gather / release -------------------------------------------------------
     def _launch(self, bucket: Bucket, label: str, async_op: bool):
-        full = self.pool.take(bucket.padded_numel, self.dtype, self.shard.device)
+        full = self._storage[bucket.index]
+        if full is None:
+            full = self._storage[bucket.index] = torch.empty(bucket.padded_numel, dtype=self.dtype,
+                                                             device=self.shard.device)
+        elif full.untyped_storage().nbytes() == 0:
+            full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
         self.full[bucket.index] = full
         if bucket.index not in self.persistent:
             self.stats.live_numel += bucket.padded_numel
@@ -158,7 +133,9 @@ class PartitionedParamBuffer(ParamBuffer):
         # shows up as "rank 0 gathered for module A, rank 1 for module B".
         ctx = comm.collective_context(label) if label else nullcontext()
         try:
-            with ctx:
+            # The gather rewrites a tensor autograd may have saved views of: same values, so the
+            # version bump an in-place write makes would only raise a false "modified in place" error.
+            with ctx, torch.autograd._unsafe_preserve_version_counter(full):
                 return comm.all_gather(full, self.chunk_view(bucket, self.rank), group=self.group,
                                        async_op=async_op)
         except comm.CollectiveMismatchError:
@@ -197,8 +174,8 @@ class PartitionedParamBuffer(ParamBuffer):
         if self._pending[bucket.index] is not None:  # its buffer is being written: finish first
             self._pending[bucket.index].wait()
             self._pending[bucket.index] = None
-        self.pool.give(self.full[bucket.index])
         self.full[bucket.index] = None
+        self._storage[bucket.index].untyped_storage().resize_(0)
         if bucket.index not in self.persistent:
             self.stats.live_numel -= bucket.padded_numel
         self._point_at_nothing(bucket)

@@ -85,5 +85,4 @@ class Stage3Optimizer(ShardedOptimizer):
         tally = super().memory_tally()
         if self.frozen_params is not None:
             tally.add("params", self.frozen_params.held_tensors())
-        tally.add("buffers", self.flat_params.pool.held_tensors())  # freed gather buffers kept for reuse
         return tally
