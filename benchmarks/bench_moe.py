@@ -11,7 +11,12 @@ Candidates, all dropless, all with the same expert MLP (hidden -> ffn -> hidden,
   mask, run it, index-add the weighted result back);
 * ``sort``: sort-based dispatch in plain PyTorch (argsort by expert, index_select, split,
   run, index_add with weights);
-* ``zeroengine``: ``zeroengine.moe.MoE`` (fused permutation kernels, C++ on CPU / CUDA on GPU);
+* ``zeroengine``: ``zeroengine.moe.MoE`` (fused permutation kernels, C++ on CPU / CUDA on GPU), default
+  settings: per-expert modules, standard-MLP experts run as grouped GEMMs over weights stacked on
+  the fly (``grouped="auto"``);
+* ``ze-loop``: the same layer with ``grouped="off"`` (one call per expert, as before grouped GEMMs);
+* ``ze-stacked``: ``expert_layout="stacked"`` (expert weights are stacked ``[E, ...]`` parameters:
+  grouped GEMMs with no stacking copy); MLP rows only;
 * ``deepspeed``: DeepSpeed's ``deepspeed.moe.layer.MoE`` (CPU accelerator), when importable.
 
 ``overhead`` rows repeat the same shapes with a near-zero-cost expert (one elementwise
@@ -108,6 +113,10 @@ def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepsp
     found["naive"] = (NaiveMoE(gate, local), x)
     found["sort"] = (SortMoE(gate, local), x)
     found["zeroengine"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False), x)
+    if kind == "mlp":
+        found["ze-loop"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False, grouped="off"), x)
+        found["ze-stacked"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False,
+                                   expert_layout="stacked"), x)
     if with_deepspeed:
         try:
             from deepspeed.moe.layer import MoE as DSMoE
@@ -198,10 +207,12 @@ def run_a2a(worlds, tokens, hidden, experts, k, repeats):
 
 
 # -- report ----------------------------------------------------------------------------------------
+COLUMNS = ["floor", "naive", "sort", "deepspeed", "ze-loop", "zeroengine", "ze-stacked"]
+
+
 def print_table(title, shapes):
     print(f"\n{title}")
-    names = sorted({n for s in shapes for n in s["rows"]}, key=["floor", "naive", "sort", "zeroengine",
-                                                                 "deepspeed"].index)
+    names = sorted({n for s in shapes for n in s["rows"]}, key=COLUMNS.index)
     print(f"{'experts':>7} {'k':>2}  " + "  ".join(f"{n:>18}" for n in names))
     for s in shapes:
         cells = []
@@ -213,17 +224,19 @@ def print_table(title, shapes):
     print("(ms: median (best) of the repeats)")
 
 
-def ratios(shapes, baseline_of):
+def ratios(shapes, baseline_of, ours_of=("zeroengine", "ze-stacked")):
+    """``other/ours`` by median and by best time (> 1: ours is faster; the floor's ratio is <= 1)."""
     out = []
     for s in shapes:
         rows = s["rows"]
-        if "zeroengine" not in rows or "median_s" not in rows["zeroengine"]:
-            continue
-        ours = rows["zeroengine"]["median_s"]
         entry = {"experts": s["experts"], "k": s["k"]}
-        for other in baseline_of:
-            if "median_s" in rows.get(other, {}):
-                entry[f"{other}/zeroengine"] = rows[other]["median_s"] / ours
+        for ours in ours_of:
+            if "median_s" not in rows.get(ours, {}):
+                continue
+            for other in baseline_of:
+                if "median_s" in rows.get(other, {}):
+                    entry[f"{other}/{ours}"] = rows[other]["median_s"] / rows[ours]["median_s"]
+                    entry[f"{other}/{ours} (best)"] = rows[other]["best_s"] / rows[ours]["best_s"]
         out.append(entry)
     return out
 
@@ -270,12 +283,12 @@ def main(argv=None):
                                                            device, dtype, with_ds)}
                   for e in experts for k in ks]
         result[kind] = shapes
-        result[f"{kind}_ratios"] = ratios(shapes, ["floor", "naive", "sort", "deepspeed"])
+        result[f"{kind}_ratios"] = ratios(shapes, ["floor", "naive", "sort", "deepspeed", "ze-loop"])
         print_table("forward+backward, expert MLP" if kind == "mlp" else "dispatch/combine overhead "
                     "(near-zero-cost expert)", shapes)
         for r in result[f"{kind}_ratios"]:
             print("  " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
-                                   for key, v in r.items()))
+                                   for key, v in r.items() if "(best)" not in key))
     worlds = [int(w) for w in args.a2a_worlds.split(",") if w] if device == "cpu" else []
     if worlds:
         result["a2a"] = run_a2a(worlds, args.tokens, args.hidden, min(experts), max(ks), args.overhead_repeats)

@@ -28,6 +28,10 @@ class MoE(nn.Module):
     :class:`~zeroengine.moe.gate.GateOutput`; ``second_expert_policy`` and
     ``z_loss_coef`` go to :class:`~zeroengine.moe.gate.TopKGate`; ``impl``
     picks the permutation kernels (``"auto"``, ``"kernel"``, ``"torch"``).
+    ``expert_layout="stacked"`` holds standard-MLP experts as stacked ``[E_local, ...]``
+    parameters (:class:`~zeroengine.moe.grouped.GroupedMLPExperts`); ``grouped``
+    (``"auto"``, ``"on"``, ``"off"``) runs standard-MLP experts as grouped GEMMs
+    (see :mod:`zeroengine.moe.grouped`).
     With ``use_residual`` (Residual MoE) a dense copy of ``expert`` runs on
     every token and a learned 2-way softmax mixes it with the MoE output.
     """
@@ -36,7 +40,7 @@ class MoE(nn.Module):
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_residual: bool = False, *,
                  gate: nn.Module | None = None, second_expert_policy: str = "all", z_loss_coef: float = 0.0,
-                 impl: str = "auto"):
+                 impl: str = "auto", expert_layout: str = "modules", grouped: str = "auto"):
         super().__init__()
         if num_experts < 1 or ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"ep_size ({ep_size}) must divide num_experts ({num_experts})")
@@ -48,7 +52,7 @@ class MoE(nn.Module):
         self.gate = gate if gate is not None else TopKGate(
             hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, noisy_gate_policy,
             drop_tokens, second_expert_policy, z_loss_coef)
-        self.local_experts = make_local_experts(expert, self.global_expert_ids, ep_size)
+        self.local_experts = make_local_experts(expert, self.global_expert_ids, ep_size, expert_layout, grouped)
         self.use_residual = use_residual
         if use_residual:
             self.mlp = copy.deepcopy(expert)

@@ -21,12 +21,19 @@ TAG = "ze_moe_expert"
 @dataclass(frozen=True)
 class ExpertTag:
     ep_size: int
-    expert_id: int  # global id among all num_experts
+    expert_id: int  # global id among all num_experts (of a stacked parameter: its first expert)
+    count: int = 1  # experts the parameter holds: > 1 for a stacked [count, ...] parameter
 
 
 def tag_expert_params(expert: torch.nn.Module, ep_size: int, expert_id: int) -> None:
     for p in expert.parameters():
         setattr(p, TAG, ExpertTag(ep_size, expert_id))
+
+
+def tag_stacked_expert_params(experts: torch.nn.Module, ep_size: int, first_id: int, count: int) -> None:
+    """Tag the ``[count, ...]`` parameters of stacked experts (experts ``first_id .. first_id + count - 1``)."""
+    for p in experts.parameters():
+        setattr(p, TAG, ExpertTag(ep_size, first_id, count))
 
 
 def expert_tag(p: torch.Tensor) -> ExpertTag | None:
@@ -59,7 +66,13 @@ def expert_checkpoint_names(module: torch.nn.Module) -> dict[str, str]:
     index is replaced by the global expert id, so the names of all ranks'
     experts together are unique and a checkpoint can be resharded over any
     ``ep_size`` that divides ``num_experts``. Dense parameters are not listed.
+
+    Stacked experts (:class:`~zeroengine.moe.grouped.GroupedMLPExperts`) hold experts
+    ``a .. b`` in one parameter: ``...local_experts.w1`` is stored as
+    ``...local_experts.w1.experts_<a>_<b>``, unique across ranks; such a checkpoint
+    loads back at the same ``ep_size`` only.
     """
+    from .grouped import GroupedMLPExperts
     from .layer import MoE
 
     present = dict(module.named_parameters())
@@ -68,6 +81,12 @@ def expert_checkpoint_names(module: torch.nn.Module) -> dict[str, str]:
         if not isinstance(sub, MoE):
             continue
         head = f"{prefix}.local_experts" if prefix else "local_experts"
+        if isinstance(sub.local_experts, GroupedMLPExperts):
+            first, last = sub.global_expert_ids[0], sub.global_expert_ids[-1]
+            for rest, p in sub.local_experts.named_parameters():
+                if present.get(f"{head}.{rest}") is p:
+                    names[f"{head}.{rest}"] = f"{head}.{rest}.experts_{first}_{last}"
+            continue
         for local, (gid, expert) in enumerate(zip(sub.global_expert_ids, sub.local_experts)):
             for rest, p in expert.named_parameters():
                 local_name = f"{head}.{local}.{rest}"
