@@ -7,7 +7,6 @@ import os
 import torch
 
 from zeroengine import comm
-from zeroengine.capabilities import check_supported
 from zeroengine.checkpointing.config import configure_from_initialize as configure_checkpointing
 from zeroengine.config import ConfigError, load_config
 from zeroengine.data import build_dataloader
@@ -75,7 +74,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if dist_init_required is not False:
         comm.init_distributed()
     cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
-    check_supported(cfg)
     configure_checkpointing(cfg, mpu)
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()

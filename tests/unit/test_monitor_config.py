@@ -3,7 +3,6 @@ import os
 
 import pytest
 
-from zeroengine.capabilities import check_supported
 from zeroengine.config import load_config
 from zeroengine.monitor import CsvMonitor, TensorBoardMonitor, build_recorder
 from zeroengine.monitor.recorder import output_directory
@@ -22,10 +21,6 @@ def test_disabled_by_default_builds_nothing_and_writes_nothing(tmp_path, monkeyp
     assert build_recorder(_cfg().monitor, rank=0) is None
     assert build_recorder(_cfg(monitor={"csv": {"enabled": False, "output_path": "x"}}).monitor, rank=0) is None
     assert os.listdir(tmp_path) == []
-
-
-def test_enabled_monitors_are_no_longer_refused():
-    check_supported(_cfg(monitor={"csv": {"enabled": True}, "tensorboard": {"enabled": True}}))
 
 
 def test_deepspeed_nested_shape(tmp_path):

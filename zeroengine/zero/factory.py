@@ -137,7 +137,8 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
         return PartitionedParamBuffer(
             part.params, layout, policy.param_dtype, rank, names=part.names,
             persistent=persistent_buckets(layout, part.persistent_from), stats=stats,
-            chunk_source=lambda bucket: reshard.chunk(_shifted(bucket, offset), policy.param_dtype))
+            chunk_source=lambda bucket: reshard.chunk(_shifted(bucket, offset), policy.param_dtype),
+            offload=zero_config.offload_param)
 
     buffer = buffer_of(trainable, 0)
     fp32_values = None

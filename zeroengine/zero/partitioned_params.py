@@ -70,15 +70,20 @@ class FetchStats:
 class PartitionedParamBuffer(ParamBuffer):
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None, names: list[str] | None = None, persistent: frozenset[int] = frozenset(),
-                 chunk_source=None, stats: FetchStats | None = None):
+                 chunk_source=None, stats: FetchStats | None = None, offload=None):
         """``chunk_source(bucket)`` returns this rank's chunk of a bucket (default: read from the full
-        parameters); ``persistent`` names buckets that stay gathered."""
+        parameters); ``persistent`` names buckets that stay gathered; ``offload`` (the ``offload_param``
+        config) keeps the shard in CPU memory, pinned when an accelerator copies from it."""
         super().__init__(params, layout, dtype, rank, group)
         self.shapes = [full_shape(p) for p in params]
         self.names = names or [f"param{i}" for i in range(len(params))]
         self.persistent = persistent
         self.stats = stats if stats is not None else FetchStats()  # one object may serve several buffers
-        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=self.device)
+        # offload_param: between uses a parameter exists only as this rank's chunk in CPU memory; a gather
+        # copies the chunk up to the compute device first, and the optimizer's update lands here directly.
+        pin = offload is not None and bool(offload.pin_memory) and torch.cuda.is_available()
+        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device="cpu" if offload is not None else self.device,
+                                 pin_memory=pin)
         self._chunk_start = []
         offset = 0
         for bucket in layout.buckets:
@@ -119,7 +124,7 @@ class PartitionedParamBuffer(ParamBuffer):
         full = self._storage[bucket.index]
         if full is None:
             full = self._storage[bucket.index] = torch.empty(bucket.padded_numel, dtype=self.dtype,
-                                                             device=self.shard.device)
+                                                             device=self.device)
         elif full.untyped_storage().nbytes() == 0:
             full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
         self.full[bucket.index] = full
@@ -135,9 +140,11 @@ class PartitionedParamBuffer(ParamBuffer):
         try:
             # The gather rewrites a tensor autograd may have saved views of: same values, so the
             # version bump an in-place write makes would only raise a false "modified in place" error.
+            own = self.chunk_view(bucket, self.rank)
+            if own.device != full.device:  # offloaded shard: up first (the collective keeps the copy alive)
+                own = own.to(full.device, non_blocking=own.is_pinned())
             with ctx, torch.autograd._unsafe_preserve_version_counter(full):
-                return comm.all_gather(full, self.chunk_view(bucket, self.rank), group=self.group,
-                                       async_op=async_op)
+                return comm.all_gather(full, own, group=self.group, async_op=async_op)
         except comm.CollectiveMismatchError:
             raise  # comm_debug already names every rank's collective
         except RuntimeError as exc:
