@@ -30,6 +30,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self.last_step: StepResult | None = None
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._meter = ProgressMeter(config.train_batch_size)
         self._timers = StepTimers() if config.wall_clock_breakdown else None
         self._log = get_logger()
@@ -50,7 +51,35 @@ class Engine:
         return self.config.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual override: the caller says which micro-step ends the accumulation
+        (set it before each forward/backward; the last one True), instead of the micro-step count."""
+        self._boundary_override = bool(is_boundary)
+
+    # DeepSpeed's names for what the engine already knows.
+    def zero_optimization_stage(self) -> int:
+        return self.zero_stage
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last optimizer step; None before the first."""
+        return self.last_step.grad_norm if self.last_step is not None else None
+
+    def was_step_applied(self) -> bool:
+        """False before the first step and after an fp16 step skipped for overflow."""
+        return self.last_step is not None and self.last_step.applied
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -165,6 +194,8 @@ class Engine:
         from zeroengine.checkpoint.model_file import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename)
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
     # -- internals ------------------------------------------------------------
     def _time(self, name: str, start: bool) -> None:

@@ -21,15 +21,35 @@ from zeroengine.zero.factory import build_zero_optimizer
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+class _StoreBoth(argparse.Action):
+    """Store one flag's value under both spellings' names, so a DeepSpeed script that reads
+    ``args.deepspeed_config`` / ``args.deepspeed`` sees the same value as ``args.zeroengine_config``."""
+
+    def __init__(self, option_strings, dest, also, const=None, nargs=None, **kwargs):
+        self.also = also
+        super().__init__(option_strings, dest, nargs=nargs, const=const, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        setattr(namespace, self.dest, value)
+        setattr(namespace, self.also, value)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--zeroengine_config`` and DeepSpeed's spellings (``--deepspeed``, ``--deepspeed_config``)."""
+    """Add ``--zeroengine_config`` and DeepSpeed's spellings (``--deepspeed``, ``--deepspeed_config``,
+    the deprecated ``--deepscale*``); each value is readable under both names."""
     group = parser.add_argument_group("zeroengine", "zeroengine configuration")
-    group.add_argument("--zeroengine", "--deepspeed", dest="zeroengine", action="store_true", default=False,
+    group.add_argument("--zeroengine", "--deepspeed", "--deepscale", dest="zeroengine", also="deepspeed",
+                       action=_StoreBoth, nargs=0, const=True, default=False,
                        help="enable zeroengine (accepted for DeepSpeed script compatibility)")
-    group.add_argument("--zeroengine_config", "--deepspeed_config", dest="zeroengine_config", default=None,
+    group.add_argument("--zeroengine_config", "--deepspeed_config", "--deepscale_config", dest="zeroengine_config",
+                       also="deepspeed_config", action=_StoreBoth, default=None,
                        help="path to the JSON/HJSON config file")
-    group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                       help="set by launchers that pass it as an argument")
+    parser.set_defaults(deepspeed=False, deepspeed_config=None)
+    # DeepSpeed scripts usually declare --local_rank themselves (DeepSpeed's helper does not add it).
+    if "--local_rank" not in parser._option_string_actions:
+        group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                           help="set by launchers that pass it as an argument")
     return parser
 
 

@@ -38,8 +38,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
-    """Initialise torch.distributed once, from the launcher's environment or as a world of 1."""
+def init_distributed(backend: str | None = None, timeout_s: float | None = None, *,
+                     dist_backend: str | None = None) -> None:
+    """Initialise torch.distributed once, from the launcher's environment or as a world of 1.
+
+    ``dist_backend`` is DeepSpeed's name for ``backend``."""
     if dist.is_initialized():
         return
     from zeroengine.launcher.rank_env import detect_rank_env
@@ -55,7 +58,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             os.environ.setdefault(key, value)
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-    backend = backend or default_backend()
+    backend = backend or dist_backend or default_backend()
     timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
     dist.init_process_group(
         backend=backend,

@@ -212,8 +212,9 @@ class Init:
 
     _depth = 0
 
-    def __init__(self, config=None, enabled: bool = True, data_parallel_group=None):
-        self.enabled = enabled and _stage_of(config) in (None, 3)
+    def __init__(self, config=None, enabled: bool = True, data_parallel_group=None, config_dict_or_path=None):
+        # config_dict_or_path: DeepSpeed's name for ``config``
+        self.enabled = enabled and _stage_of(config if config is not None else config_dict_or_path) in (None, 3)
         self.group = data_parallel_group
         self.state: _InitState | None = None
         self._handle = None

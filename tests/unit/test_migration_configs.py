@@ -1,0 +1,226 @@
+"""Configs and script habits that DeepSpeed 0.19.8 refuses, crashes on or silently ignores, and what
+zeroengine does with each (docs/migrating-from-deepspeed.md, "Where DeepSpeed refuses or crashes").
+
+Each test checks zeroengine's behaviour: it trains correctly, or raises a ConfigError whose key path
+and message say what to change. DeepSpeed's side of each row was observed with DS_ACCELERATOR=cpu
+in a scratch script and is recorded in the docs, not here (the package never imports deepspeed).
+"""
+import argparse
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zeroengine
+from zeroengine.config import ConfigError, load_config
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batches(n, micro=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(micro, 6, generator=g), torch.randint(3, (micro,), generator=g)) for _ in range(n)]
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _config(stage=0, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage}}
+    cfg.update(extra)
+    return cfg
+
+
+def _train(engine, batches):
+    for x, y in batches:
+        engine.backward(_loss(engine, x, y))
+        engine.step()
+
+
+def _reference_sgd(batches):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for x, y in batches:
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+# -- DeepSpeed refuses; zeroengine does the right thing ------------------------------------------
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("how", ["config", "instance"])
+def test_sgd_under_zero_trains_like_torch_sgd(stage, how):
+    """DeepSpeed: AssertionError 'You are using an untested ZeRO Optimizer' for SGD at stages 1-3.
+    SGD's update is elementwise, so stepping shards is exact: zeroengine runs it."""
+    batches = _batches(3)
+    model = _model()
+    cfg = _config(stage)
+    optimizer = None
+    if how == "instance":
+        del cfg["optimizer"]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    engine, *_ = zeroengine.initialize(model=model, optimizer=optimizer, config=cfg)
+    _train(engine, batches)
+    for got, want in zip(model.parameters(), _reference_sgd(batches)):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=1e-6)
+
+
+def test_optimizer_that_is_not_elementwise_is_refused_with_what_to_change():
+    """Both refuse an optimizer they do not know; zeroengine says why and names the ways out."""
+    model = _model()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1)  # looks at whole tensors: shards would differ
+    cfg = _config(2)
+    del cfg["optimizer"]
+    with pytest.raises(ConfigError) as err:
+        zeroengine.initialize(model=model, optimizer=optimizer, config=cfg)
+    assert err.value.key_path == "zero_allow_untested_optimizer"
+    assert "LBFGS" in str(err.value) and "zero_allow_untested_optimizer: true" in str(err.value)
+
+
+def test_fp16_on_cpu_trains_with_dynamic_loss_scaling():
+    """DeepSpeed (cpu accelerator): ValueError 'Type fp16 is not supported on your device.'
+    zeroengine trains fp16 on CPU (slowly: no native half matmuls) with fp32 masters and loss scaling."""
+    model = _model()
+    engine, *_ = zeroengine.initialize(model=model, config=_config(1, fp16={"enabled": True,
+                                                                           "initial_scale_power": 8}))
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    before = [p.detach().float().clone() for p in model.parameters()]
+    _train(engine, [(x.half(), y) for x, y in _batches(2)])
+    assert engine.was_step_applied() and engine.loss_scale == 2.0 ** 8
+    assert all(not torch.equal(a, p.detach().float()) for a, p in zip(before, model.parameters()))
+
+
+def test_auto_batch_sizes_outside_a_trainer_resolve():
+    """DeepSpeed: TypeError "unsupported operand type(s) for //: 'str' and 'str'" when the batch keys
+    are "auto" (HuggingFace's Trainer fills them; plain scripts reusing its template crash).
+    zeroengine resolves them as a default Trainer would: micro-batch 1, no accumulation."""
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                       "gradient_accumulation_steps": "auto"}, world_size=2)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size) == (1, 1, 2)
+    # HuggingFace's ZeRO-2 template, "auto" everywhere, loads as it stands.
+    hf = load_config(os.path.join(CONFIGS, "hf_ds_config_zero2.json"), world_size=2, hidden_size=64)
+    assert hf.zero_optimization.stage == 2 and hf.precision_dtype == torch.float32
+    assert (hf.train_batch_size, hf.gradient_clipping, dict(hf.optimizer.params)["lr"]) == (2, 1.0, 1e-3)
+
+
+def test_auto_that_cannot_be_inferred_names_what_to_set():
+    cfg = _config(0, scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}})
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.key_path == "scheduler.params.total_num_steps"
+    assert "set the number of optimizer steps" in str(err.value)
+
+
+# -- DeepSpeed silently ignores; zeroengine names the key and the fix -----------------------------
+
+@pytest.mark.parametrize("key,value,path,suggestion", [
+    # DeepSpeed trains without clipping.
+    ("gradient_clipin", 1.0, "gradient_clipin", "gradient_clipping"),
+    # DeepSpeed trains without ZeRO at all.
+    ("zero_optimisation", {"stage": 2}, "zero_optimisation", "zero_optimization"),
+    # DeepSpeed never prints.
+    ("steps_per_prnt", 10, "steps_per_prnt", "steps_per_print"),
+    # DeepSpeed trains without the section's settings.
+    ("activation_checkpoint", {"partition_activations": True}, "activation_checkpoint", "activation_checkpointing"),
+])
+def test_top_level_typo_deepspeed_ignores_is_an_error_with_the_right_spelling(key, value, path, suggestion):
+    cfg = _config(0)
+    cfg[key] = value
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.key_path == path and f"did you mean '{suggestion}'" in str(err.value)
+
+
+def test_optimizer_param_typo_is_a_config_error_not_a_constructor_crash():
+    """DeepSpeed: TypeError from the optimizer's constructor ("unexpected keyword argument 'weight_decy'")."""
+    cfg = _config(0, optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decy": 0.1}})
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.key_path == "optimizer.params.weight_decy" and "'weight_decay'" in str(err.value)
+
+
+def test_deepspeed_feature_switched_on_is_refused_not_ignored():
+    """A DeepSpeed-only feature switched on would train differently from what was asked: refused, by name.
+    Switched off (as templates write it), the same key is accepted."""
+    with pytest.raises(ConfigError) as err:
+        load_config(_config(0, flops_profiler={"enabled": True}))
+    assert err.value.key_path == "flops_profiler" and "enabled=false" in str(err.value)
+    load_config(_config(0, flops_profiler={"enabled": False}))
+
+
+def test_numbers_written_as_floats_are_accepted_for_sizes():
+    """DeepSpeed configs commonly write bucket sizes as 5e7 (a JSON float)."""
+    cfg = load_config(_config(2, zero_optimization={"stage": 2, "reduce_bucket_size": 5e7,
+                                                    "allgather_bucket_size": 5e8}))
+    assert cfg.zero_optimization.reduce_bucket_size == 50_000_000
+
+
+# -- script habits -----------------------------------------------------------------------------------
+
+def test_script_that_declares_local_rank_and_reads_args_deepspeed_config():
+    """DeepSpeed's add_config_arguments does not add --local_rank, so scripts declare it themselves,
+    and they read args.deepspeed / args.deepspeed_config back."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = zeroengine.add_config_arguments(parser)
+    args = parser.parse_args(["--local_rank=1", "--deepspeed", "--deepspeed_config", "ds.json"])
+    assert (args.local_rank, args.deepspeed, args.deepspeed_config) == (1, True, "ds.json")
+    assert (args.zeroengine, args.zeroengine_config) == (True, "ds.json")
+    defaults = parser.parse_args([])
+    assert (defaults.deepspeed, defaults.deepspeed_config) == (False, None)
+
+
+def test_engine_answers_deepspeeds_accessors():
+    batches = _batches(2)
+    model = _model()
+    engine, optimizer, _, scheduler = zeroengine.initialize(model=model, config=_config(2, gradient_clipping=0.5))
+    assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
+    assert engine.zero_optimization_stage() == 2 and engine.gradient_clipping() == 0.5
+    assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.optimizer is optimizer and engine.lr_scheduler is scheduler
+    _train(engine, batches[:1])
+    reference = _model()
+    _loss(reference, *batches[0]).backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    assert engine.get_global_grad_norm() == pytest.approx(norm.item(), rel=1e-6)
+    assert engine.was_step_applied() and engine.global_samples == 4 and engine.global_steps == 1
+
+
+def test_set_gradient_accumulation_boundary_steps_once_after_the_last_micro_batch():
+    """DeepSpeed's manual boundary: backward on each micro-batch, the last one marked, one step() call."""
+    batches = _batches(4)
+    results = []
+    for manual in (False, True):
+        model = _model()
+        engine, *_ = zeroengine.initialize(model=model, config=_config(1, gradient_accumulation_steps=2,
+                                                                       train_batch_size=8))
+        for i, (x, y) in enumerate(batches):
+            if manual:
+                engine.set_gradient_accumulation_boundary(i % 2 == 1)
+            engine.backward(_loss(engine, x, y))
+            if not manual or i % 2 == 1:
+                engine.step()
+        assert engine.global_steps == 2
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_zero_init_takes_deepspeeds_config_keyword():
+    stage3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    stage2 = copy.deepcopy(stage3)
+    stage2["zero_optimization"]["stage"] = 2
+    assert zeroengine.zero.Init(config_dict_or_path=stage3).enabled
+    assert not zeroengine.zero.Init(config_dict_or_path=stage2).enabled
