@@ -143,6 +143,33 @@ def test_top_level_typo_deepspeed_ignores_is_an_error_with_the_right_spelling(ke
     assert err.value.key_path == path and f"did you mean '{suggestion}'" in str(err.value)
 
 
+@pytest.mark.parametrize("change,path,fix", [
+    # DeepSpeed trains at stage 0 with the optimizer on the device: the block is silently ignored.
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer", "set zero_optimization.stage"),
+    # DeepSpeed trains without clipping.
+    ({"gradient_clipping": -1.0}, "gradient_clipping", ">= 0"),
+])
+def test_settings_deepspeed_accepts_without_effect_are_errors(change, path, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config(_config(0, **change))
+    assert err.value.key_path == path and fix in str(err.value)
+
+
+def test_stage_written_as_a_string_is_refused_with_the_fix():
+    """DeepSpeed coerces "2" to 2; zeroengine does not guess at types, and says so (documented as 'different')."""
+    with pytest.raises(ConfigError) as err:
+        load_config(_config(0, zero_optimization={"stage": "2"}))
+    assert err.value.key_path == "zero_optimization.stage" and "expected an integer" in str(err.value)
+
+
+def test_scheduler_and_optimizer_names_are_case_insensitive():
+    """DeepSpeed refuses "WarmupLr" (AssertionError: does not recognize LR scheduler); both accept "adam"."""
+    cfg = load_config(_config(0, optimizer={"type": "adam", "params": {"lr": 1e-3}},
+                              scheduler={"type": "WarmupLr", "params": {"warmup_num_steps": 2}}))
+    assert (cfg.optimizer.type, cfg.scheduler.type) == ("Adam", "WarmupLR")
+
+
 def test_optimizer_param_typo_is_a_config_error_not_a_constructor_crash():
     """DeepSpeed: TypeError from the optimizer's constructor ("unexpected keyword argument 'weight_decy'")."""
     cfg = _config(0, optimizer={"type": "AdamW", "params": {"lr": 1e-3, "weight_decy": 0.1}})
