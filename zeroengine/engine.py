@@ -178,9 +178,18 @@ class Engine:
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """Resume from ``load_dir`` (any world size, any stage). Returns ``(tag_dir, client_state)``."""
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        load_module_strict: bool = True):
+        """Resume from ``load_dir`` (any world size, any stage). Returns ``(tag_dir, client_state)``.
+
+        ``load_module_strict`` is accepted for DeepSpeed callers (HuggingFace's Trainer passes it);
+        loading is always strict (every parameter must be in the checkpoint), so only True is."""
         from zeroengine.checkpoint import load_checkpoint
+
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: zeroengine loads every "
+                             "parameter by name; load a partial state_dict with engine.module.load_state_dict("
+                             "..., strict=False) instead")
 
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)

@@ -251,3 +251,16 @@ def test_zero_init_takes_deepspeeds_config_keyword():
     stage2["zero_optimization"]["stage"] = 2
     assert zeroengine.zero.Init(config_dict_or_path=stage3).enabled
     assert not zeroengine.zero.Init(config_dict_or_path=stage2).enabled
+
+
+def test_load_checkpoint_takes_load_module_strict(tmp_path):
+    """HuggingFace's Trainer calls load_checkpoint(path, load_module_strict=..., ...)."""
+    model = _model()
+    engine, *_ = zeroengine.initialize(model=model, config=_config(1))
+    _train(engine, _batches(1))
+    engine.save_checkpoint(str(tmp_path), client_state={"k": 1})
+    _, client = engine.load_checkpoint(str(tmp_path), load_module_strict=True, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+    assert client["k"] == 1
+    with pytest.raises(ValueError, match="strict=False"):
+        engine.load_checkpoint(str(tmp_path), load_module_strict=False)
