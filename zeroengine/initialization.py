@@ -17,6 +17,7 @@ from zeroengine.optim.schedulers import build_scheduler
 from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
 from zeroengine.zero.factory import build_zero_optimizer
+from zeroengine.zero.initial_state import broadcast_initial_state
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -101,6 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     policy = PrecisionPolicy(cfg.precision_dtype)
     device = comm.device_for_backend()
     model.to(device)
+    broadcast_initial_state(model)  # every rank starts from rank 0's weights, as under DeepSpeed and DDP
 
     torch_optimizer = _resolve_optimizer(cfg, model, optimizer, model_parameters)
     if torch_optimizer.state:

@@ -93,14 +93,11 @@ def _params_after_initialize(rank, world, stage):
         return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: initialize() does not broadcast rank 0's initial parameters "
-                   "(DeepSpeed does), so ranks that built different values train different models")
-def test_initialize_makes_rank0_initial_parameters_authoritative():
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_initialize_makes_rank0_initial_parameters_authoritative(stage):
     """DeepSpeed broadcasts the module's parameters from rank 0 when the engine is built, so e.g. an
-    edit made on rank 0 only before initialize() reaches every rank. zeroengine's stage 3 does (checked
-    by hand); stages 0-2 keep each rank's own values (stage 0 forever; stages 1-2 until the first step
-    all-gathers the shard owners' values). Stage 0 is the minimal case."""
-    ranks = run_distributed(_params_after_initialize, 2, 0)
+    edit made on rank 0 only before initialize() reaches every rank, at every stage."""
+    ranks = run_distributed(_params_after_initialize, 2, stage)
     torch.manual_seed(0)
     expected = [p.detach() for p in torch.nn.Linear(4, 2).parameters()]
     for params in ranks:

@@ -63,3 +63,13 @@ def all_reduce_mean_in_buckets(
         flat.div_(divisor)
         for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             dst.copy_(src)
+
+
+@torch.no_grad()
+def broadcast_in_buckets(tensors: list[torch.Tensor], src: int, bucket_bytes: int = 32 * 2**20, group=None) -> None:
+    """Overwrite ``tensors`` on every rank of ``group`` with global rank ``src``'s values, a few collectives."""
+    for bucket in iter_buckets(tensors, bucket_bytes):
+        flat = _flatten_dense_tensors(bucket)
+        collectives.broadcast(flat, src=src, group=group)
+        for t, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(value)
