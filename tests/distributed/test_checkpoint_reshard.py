@@ -33,7 +33,8 @@ def config(world, stage, dtype="fp32", offload=False):
                                                      "warmup_num_steps": 10}},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
         "bf16": {"enabled": dtype == "bf16"},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+        # persistence 0: at stage 3 every parameter of the tiny model is partitioned, not kept whole
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
     }
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}

@@ -26,7 +26,7 @@ def gathered_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | No
     if not rank0:
         return None
     # Tied parameters appear under each module that registers them; what is left are buffers.
-    full = module.state_dict()
+    full = module.state_dict(keep_vars=True)  # keep_vars: names and order without touching partitioned params
     return {name: out[name] if name in out else value.detach().clone() for name, value in full.items()}
 
 
