@@ -14,9 +14,11 @@ FORMULA = {
 }
 
 
-def _measure(rank, world, stage, dtype, offload=False):
+def _measure(rank, world, stage, dtype, offload=False, keep_gathered=True):
     cfg = base_config(2, 1, world, clip=1.0, dtype=dtype, stage=stage)
     cfg["zero_optimization"]["reduce_bucket_size"] = 20_000
+    if not keep_gathered:  # stage 3 re-gathers every module for backward: DeepSpeed's 3Ψ(N-1)/N per step
+        cfg["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
@@ -67,6 +69,20 @@ def test_bytes_on_the_wire_equal_plain_data_parallel(stage):
     assert 0 <= padded - psi < buckets * world * 16
     # the only other traffic is the one-number gradient-norm reduction
     assert wire["all_reduce"]["calls"] == 1 and wire["all_reduce"]["payload_bytes"] == 8
+
+
+def test_stage3_moves_one_and_a_half_times_data_parallel():
+    world = 2
+    psi, padded, buckets, _, wire = run_distributed(_measure, world, 3, "fp32", False, False)[0]
+    # forward and backward each gather every bucket once; backward reduce-scatters each once
+    assert wire["all_gather"]["calls"] == 2 * buckets and wire["reduce_scatter"]["calls"] == buckets
+    total = wire["all_gather"]["wire_bytes"] + wire["reduce_scatter"]["wire_bytes"]
+    assert total == pytest.approx(3 * 4 * padded * (world - 1) / world)  # 3Ψ(N-1)/N elements, 1.5x stages 1-2
+    assert 0 <= padded - psi < buckets * world * 16
+    # with the default reuse distance, a unit still gathered when backward needs it again is not re-gathered
+    _, _, _, _, kept = run_distributed(_measure, world, 3, "fp32")[0]
+    assert buckets <= kept["all_gather"]["calls"] <= 2 * buckets
+    assert kept["all_gather"]["wire_bytes"] + kept["reduce_scatter"]["wire_bytes"] <= total
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
