@@ -190,7 +190,9 @@ def _legacy_section() -> str:
 def _unsupported_section() -> str:
     rows = ["## DeepSpeed features zeroengine does not implement", "",
             "These keys are accepted only with the value that switches the feature off (absent, `null` and "
-            "`{}` always do), so configs written for DeepSpeed load unchanged; any other value is an error.", "",
+            "`{}` always do), so configs written for DeepSpeed load unchanged; any other value is an error. "
+            "A few performance knobs that give the same numbers at every value are accepted at any value "
+            "DeepSpeed accepts (marked \"no effect on results\").", "",
             "| Key | Accepted when | Feature |", "| --- | --- | --- |"]
     for section, entries in UNSUPPORTED.items():
         for entry in entries:

@@ -8,10 +8,15 @@ when they are *on* would silently train differently from what the user asked.
 So each key is accepted exactly when its value means "feature off" (the
 "neutral" value, DeepSpeed's default) and is otherwise an error that says the
 feature is not implemented. Accepted keys are dropped before validation.
+
+A few keys are pure performance knobs whose every value trains to the same
+numbers (``cpuadam_cores_perc``): those are accepted at any value DeepSpeed
+itself accepts, since refusing them would only make users delete lines.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Tuple
+import sys
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 from .errors import ConfigError, join_path
 
@@ -24,6 +29,7 @@ class Neutral(NamedTuple):
     kind: str                    # "enabled": an object whose "enabled" is in `values`
                                  # "empty": an object whose values are all null/false
                                  # "value": exactly one of `values`
+                                 # "check": `values[0](value)` is true
     values: Tuple[Any, ...] = ()
 
     def accepts(self, value: Any) -> bool:
@@ -33,6 +39,8 @@ class Neutral(NamedTuple):
             return isinstance(value, dict) and _is_one_of(value.get("enabled", False), self.values)
         if self.kind == "empty":
             return isinstance(value, dict) and all(v is None or v is False for v in value.values())
+        if self.kind == "check":
+            return bool(self.values[0](value))
         return _is_one_of(value, self.values)
 
 
@@ -48,6 +56,75 @@ EMPTY = Neutral("set its values to null", "every value null or false", "empty")
 def off_value(value: Any) -> Neutral:
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
     return Neutral(f"set it to {text}", f"`{text}`", "value", (value,))
+
+
+def checked(hint: str, accepted: str, check: Callable[[Any], bool]) -> Neutral:
+    """Neutral values described by a predicate (several spellings, or any value of a harmless knob)."""
+    return Neutral(hint, accepted, "check", (check,))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _has_only(value: Any, keys: Tuple[str, ...]) -> bool:
+    return isinstance(value, dict) and set(value) <= set(keys)
+
+
+# Performance knobs: every value gives the same numbers, so any value DeepSpeed accepts is fine.
+ANY_BOOL = checked("set it to true or false", "`true` or `false` (no effect on results)",
+                   lambda v: isinstance(v, bool))
+ANY_FRACTION = checked("set it to a number from 0 to 1", "a number from 0 to 1 (no effect on results)",
+                       lambda v: _is_number(v) and 0 <= v <= 1)
+
+# DeepSpeed's default ZeRO-3 leaf modules (HuggingFace MoE blocks); a single string counts as a list.
+_LEAF_DEFAULTS = {
+    "classes": {"transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"},
+    "names": set(),
+    "name_suffixes": set(),
+}
+
+
+def _leaf_module_is_default(value: Any) -> bool:
+    if not _has_only(value, tuple(_LEAF_DEFAULTS)):
+        return False
+    for key, listed in value.items():
+        items = [listed] if isinstance(listed, str) else listed
+        if not isinstance(items, list) or set(items) != _LEAF_DEFAULTS[key]:
+            return False
+    return True
+
+
+# DeepSpeed's TPTrainingConfig keys: all of them are inert while autotp_size <= 1 (no tensor split).
+_TP_KEYS = ("dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend",
+            "tp", "tensor_parallel", "injection_policy_tuple", "partition_config", "preset_model",
+            "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject")
+
+
+def _tensor_parallel_is_off(value: Any) -> bool:
+    if not _has_only(value, _TP_KEYS):
+        return False
+    size = value.get("autotp_size", 0)
+    inner = value.get("tp", value.get("tensor_parallel")) or {}
+    return (_is_number(size) and size in (0, 1) and isinstance(inner, dict)
+            and _is_one_of(inner.get("tp_size", 1), (1,)))
+
+
+def _timers_are_valid(value: Any) -> bool:
+    # Only the throughput log line; zeroengine's steps_per_print report already carries the rate.
+    if not _has_only(value, ("throughput",)):
+        return False
+    throughput = value.get("throughput") or {}
+    return _has_only(throughput, ("enabled", "synchronized")) and all(isinstance(v, bool)
+                                                                       for v in throughput.values())
+
+
+def _weight_quantization_is_off(value: Any) -> bool:
+    # DeepSpeed quantizes only when one of these sub-blocks is filled in (or never, when disabled).
+    return isinstance(value, dict) and (value.get("enabled", True) is False or not any(
+        value.get(k) for k in ("quantized_initialization", "post_init_quant")))
 
 
 class Unsupported(NamedTuple):
@@ -75,7 +152,11 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("dump_state", off_value(False), "printing the engine state at startup"),
         Unsupported("eigenvalue", ENABLED_FALSE, "Hessian eigenvalue computation"),
         Unsupported("elasticity", ENABLED_FALSE, "elastic batch sizes across world sizes"),
+        Unsupported("expert_parallel", ENABLED_FALSE, "AutoEP, expert parallelism applied automatically to "
+                    "HuggingFace MoE blocks; zeroengine's expert parallelism is zeroengine.moe.MoE(ep_size=...)"),
         Unsupported("flops_profiler", ENABLED_FALSE, "FLOPs profiler"),
+        Unsupported("graph_harvesting", off_value(False), "accelerator graph capture and replay (removed "
+                    "in DeepSpeed 0.19.8, which refuses the key at any value)"),
         Unsupported("hybrid_engine", ENABLED_FALSE, "RLHF inference/training hybrid engine"),
         Unsupported("memory_breakdown", off_value(False), "memory-usage logging; zeroengine offers "
                     "engine.memory_breakdown() instead"),
@@ -83,10 +164,30 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("pipeline", EMPTY, "pipeline parallelism"),
         Unsupported("progressive_layer_drop", ENABLED_FALSE, "progressive layer dropping"),
         Unsupported("quantize_training", ENABLED_FALSE, "MoQ quantize-aware training"),
+        Unsupported("seq_parallel_communication_data_type",
+                    checked("set it to \"fp32\", \"fp16\" or \"bf16\"", "`\"fp32\"`, `\"fp16\"` or `\"bf16\"`",
+                            lambda v: isinstance(v, str) and v.lower() in ("fp32", "fp16", "bf16")),
+                    "dtype of DeepSpeed-Ulysses sequence-parallel all-to-alls; zeroengine has no sequence "
+                    "parallelism, so any dtype DeepSpeed accepts has no effect"),
         Unsupported("sparse_attention", EMPTY, "block-sparse attention kernels"),
         Unsupported("sparse_gradients", off_value(False), "sparse embedding gradients"),
+        Unsupported("tensor_parallel", checked("set autotp_size to 0", "`autotp_size` 0 or 1 (and `tp.tp_size` 1)",
+                                               _tensor_parallel_is_off),
+                    "AutoTP tensor parallelism; zeroengine is data (and expert) parallel only"),
+        Unsupported("timers", checked("set throughput.enabled/synchronized to true or false",
+                                      "`throughput: {enabled, synchronized}`, any booleans (a log line only)",
+                                      _timers_are_valid),
+                    "the throughput timer's log line; zeroengine's steps_per_print line already reports "
+                    "samples per second"),
         Unsupported("torch_autocast", ENABLED_FALSE, "torch.autocast-based mixed precision"),
+        Unsupported("use_data_before_expert_parallelism", off_value(False),
+                    "placing data-parallel ranks before expert-parallel ones; zeroengine always builds "
+                    "DeepSpeed's default layout (expert-parallel groups of consecutive ranks)"),
         Unsupported("wandb", ENABLED_FALSE, "Weights & Biases logging"),
+        Unsupported("weight_quantization", checked("set enabled=false",
+                                                   "`enabled: false`, or no `quantized_initialization` / "
+                                                   "`post_init_quant`", _weight_quantization_is_off),
+                    "quantized weight initialization (zero.Init) and post-init quantization"),
         Unsupported("zero_force_ds_cpu_optimizer", off_value(True), "requiring DeepSpeed's CPU optimizer "
                     "with offload"),
     ),
@@ -100,6 +201,34 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("mics_shard_size", off_value(-1), "MiCS sub-group sharding"),
         Unsupported("mics_hierarchical_params_gather", off_value(False), "MiCS hierarchical all-gather"),
         Unsupported("zenflow", EMPTY, "ZenFlow stall-free offload"),
+        Unsupported("stage3_model_persistence_threshold",
+                    checked(f"set it to {sys.maxsize} (sys.maxsize, no cap)", f"`{sys.maxsize}` (no cap) or more",
+                            lambda v: _is_number(v) and v >= sys.maxsize),
+                    "a cap on the total elements kept gathered by stage3_param_persistence_threshold; "
+                    "zeroengine has no cap: lower stage3_param_persistence_threshold instead"),
+        Unsupported("stage3_module_granularity_threshold", off_value(0),
+                    "fetching fine-grained modules' parameters as one unit; zeroengine fetches per "
+                    "module as it runs"),
+        Unsupported("stage3_use_all_reduce_for_fetch_params", ANY_BOOL,
+                    "all-reduce instead of all-gather to fetch stage-3 parameters (same values either way; "
+                    "zeroengine all-gathers)"),
+        Unsupported("use_multi_rank_bucket_allreduce", ANY_BOOL,
+                    "one all-reduce for several ranks' reduce buckets (a message-size optimisation; "
+                    "zeroengine reduces with its own buckets)"),
+        Unsupported("memory_efficient_linear", ANY_BOOL,
+                    "a stage-3 linear that does not keep the gathered weight for backward (memory only; "
+                    "zeroengine uses torch's linear)"),
+        Unsupported("compute_grad_norm", off_value(True),
+                    "skipping the global gradient norm at stages 1-2; zeroengine always computes it "
+                    "(clipping, get_global_grad_norm)"),
+        Unsupported("parameter_alignment", off_value(False),
+                    "padding stage 1-2 flat buffers so each parameter starts 16-byte aligned"),
+        Unsupported("leaf_module", checked("set it to DeepSpeed's default (the Mixtral/Qwen2-MoE/Qwen3-MoE "
+                                           "sparse MoE block classes)",
+                                           "DeepSpeed's default lists (three HuggingFace MoE block `classes`, "
+                                           "no `names` or `name_suffixes`)", _leaf_module_is_default),
+                    "user-chosen ZeRO-3 leaf modules whose submodules get no fetch hooks; zeroengine has "
+                    "no leaf modules"),
     ),
     "zero_optimization.offload_optimizer": (
         Unsupported("nvme_path", off_value(None), "NVMe offload, i.e. ZeRO-Infinity"),
@@ -109,6 +238,8 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("fast_init", off_value(False), "NVMe offload fast initialization"),
         Unsupported("ratio", off_value(1.0), "partial optimizer offload"),
         Unsupported("super_offload", off_value(False), "SuperOffload for Superchips"),
+        Unsupported("cpuadam_cores_perc", ANY_FRACTION, "share of CPU cores SuperOffload's CPU Adam uses "
+                    "(SuperOffload only; zeroengine's CPU Adam uses torch's threads)"),
     ),
     "zero_optimization.offload_param": (
         Unsupported("nvme_path", off_value(None), "NVMe offload, i.e. ZeRO-Infinity"),
@@ -118,6 +249,21 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
     ),
     "fp16": (
         Unsupported("fp16_master_weights_and_grads", off_value(False), "fp16 master weights"),
+    ),
+    "bf16": (
+        Unsupported("immediate_grad_update", ANY_BOOL, "accumulating each micro-batch's bf16 gradients "
+                    "into fp32 in the backward hooks rather than after backward (same sums either way)"),
+        # DeepSpeed's default is true, so refusing true would refuse DeepSpeed's own default; accepted
+        # with the difference spelled out (it only matters once a gradient is already inf/nan).
+        Unsupported("check_grad_overflow", checked("set it to true or false",
+                                                   "`true` (DeepSpeed's default) or `false`, both meaning "
+                                                   "no skipping here", lambda v: isinstance(v, bool)),
+                    "skipping bf16 steps whose gradients are not finite; zeroengine never skips a bf16 step, "
+                    "so a non-finite gradient reaches the optimizer (get_global_grad_norm() shows it)"),
+        Unsupported("bf16_master_weights_and_grads", off_value(False),
+                    "bf16 master weights and gradients; zeroengine keeps them in fp32"),
+        Unsupported("bf16_optimizer_states", off_value(False),
+                    "bf16 optimizer states; zeroengine keeps them in fp32"),
     ),
     "checkpoint": (
         Unsupported("parallel_write", EMPTY, "pipeline-stage parallel checkpoint writes"),
