@@ -1,5 +1,7 @@
 """Stage 3 misuse fails loudly and says what to do: a partitioned parameter used outside the engine, and
 ranks that run different modules (with comm_debug: named, within the check's timeout)."""
+from datetime import timedelta
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,12 +71,19 @@ def _diverge(rank, world):
     cfg["comm_debug"] = True
     engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=cfg)
     comm.enable_sequence_check(timeout_s=10)  # shorter than the default 60 s, for the test
+    message = ""
     try:
         loss = engine(torch.randn(2, 8), skip=rank == 1)  # rank 1 skips `sometimes`
         engine.backward(loss)
     except comm.CollectiveMismatchError as exc:
-        return str(exc)
-    return ""
+        message = str(exc)
+    # Rank 0 hosts the store the check talks through: it must not exit before rank 1 has read it.
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    store.set(f"test_done/{rank}", b"1")
+    store.wait([f"test_done/{r}" for r in range(world)], timedelta(seconds=30))
+    return message
 
 
 def test_a_module_skipped_on_one_rank_is_named_instead_of_hanging():

@@ -23,6 +23,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROENGINE_COMM_TIMEOUT", 600))
 
 class _State:
     checker: CollectiveSequenceChecker | None = None
+    checker_generation: int = 0
 
 
 state = _State()
@@ -79,7 +80,10 @@ def enable_sequence_check(timeout_s: float = 60.0) -> None:
     """Turn on the collective-sequence checker (debug mode) for this process."""
     from torch.distributed.distributed_c10d import _get_default_store
 
-    state.checker = CollectiveSequenceChecker(_get_default_store(), dist.get_rank(), timeout_s)
+    # Every rank enables the check the same number of times, so the generation agrees across ranks.
+    state.checker_generation += 1
+    state.checker = CollectiveSequenceChecker(_get_default_store(), dist.get_rank(), timeout_s,
+                                              generation=state.checker_generation)
 
 
 def disable_sequence_check() -> None:

@@ -75,18 +75,20 @@ def caller_site() -> str:
 class CollectiveSequenceChecker:
     """Per-process checker; one sequence counter per process group."""
 
-    def __init__(self, store, rank: int, timeout_s: float):
+    def __init__(self, store, rank: int, timeout_s: float, generation: int = 0):
         self.store = store
         self.rank = rank
         self.timeout = timedelta(seconds=timeout_s)
         self._seq: dict[str, int] = {}
+        # Each checker counts from 0 again: its keys must not meet an earlier checker's in the store.
+        self._ns = f"g{generation}"
 
     def check(self, group_key: str, group_ranks: list[int], fp: Fingerprint) -> None:
         seq = self._seq.get(group_key, 0)
         self._seq[group_key] = seq + 1
-        prefix = f"ze_seq/{group_key}/{seq}"
+        prefix = f"ze_seq/{self._ns}/{group_key}/{seq}"
         self.store.set(f"{prefix}/{self.rank}", fp.encode())
-        self.store.set(f"ze_last/{group_key}/{self.rank}", f"#{seq} {fp.describe()}".encode())
+        self.store.set(f"ze_last/{self._ns}/{group_key}/{self.rank}", f"#{seq} {fp.describe()}".encode())
         keys = [f"{prefix}/{r}" for r in group_ranks]
         try:
             self.store.wait(keys, self.timeout)
@@ -100,11 +102,11 @@ class CollectiveSequenceChecker:
             )
 
     def _describe_missing(self, group_key: str, group_ranks: list[int], seq: int, fp: Fingerprint) -> str:
-        prefix = f"ze_seq/{group_key}/{seq}"
+        prefix = f"ze_seq/{self._ns}/{group_key}/{seq}"
         missing = [r for r in group_ranks if not self.store.check([f"{prefix}/{r}"])]
         lines = []
         for r in missing:
-            last_key = f"ze_last/{group_key}/{r}"
+            last_key = f"ze_last/{self._ns}/{group_key}/{r}"
             last = self.store.get(last_key).decode() if self.store.check([last_key]) else "none yet"
             lines.append(f"  rank {r}: last collective reached: {last}")
         return (
