@@ -20,7 +20,7 @@ def test_quick_run_reports_every_candidate(tmp_path):
     result = json.loads(out.read_text())
     assert [(s["experts"], s["k"]) for s in result["mlp"]] == [(4, 1), (4, 2), (8, 1), (8, 2)]
     for shape in result["mlp"]:
-        assert set(shape["rows"]) == {"floor", "naive", "sort", "zeroengine"}
+        assert set(shape["rows"]) == {"floor", "naive", "sort", "ze-loop", "zeroengine", "ze-stacked"}
     for shape in result["mlp"] + result["cheap"]:
         assert all(math.isfinite(r["median_s"]) and r["median_s"] > 0 for r in shape["rows"].values())
     assert len(result["mlp_ratios"]) == 4 and "naive/zeroengine" in result["cheap_ratios"][0]
