@@ -18,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_activation_checkpointing_settings():
+    """zeroengine.checkpointing's settings and model-parallel RNG tracker are process-global, as DeepSpeed's
+    are: no test inherits another's (a tracker state left behind adds a saved RNG state to every checkpoint)."""
+    from zeroengine import checkpointing
+
+    checkpointing.reset()
+    checkpointing.get_cuda_rng_tracker().reset()
+    yield
