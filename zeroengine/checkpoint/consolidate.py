@@ -8,10 +8,13 @@ tied parameters included (each of their names maps to the same tensor).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 import torch
+
+from zeroengine.progress import get_logger
 
 from . import manifest as mf
 from .files import CheckpointError, load_tensors, save_tensors
@@ -33,20 +36,35 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         return files[file]
 
     out: dict[str, torch.Tensor] = {}
+    progress = _Progress(manifest)
     for name, info in manifest.params.items():
-        numel = 1
-        for n in info["shape"]:
-            numel *= n
+        numel = math.prod(info["shape"])
         flat = torch.empty(numel, dtype=dtype)
         for e in manifest.entries_overlapping(name, 0, numel):
             flat[e.start:e.end] = opened(e.file)["entries"][e.index]["value"]
         out[name] = flat.view(info["shape"])
+        progress.advance(numel)
     extras = opened(mf.COMMON)["module_extras"]
     for name, value in extras.items():
         out[name] = value.to(dtype) if value.is_floating_point() else value.clone()
     for alias, name in manifest.data.get("aliases", {}).items():
         out[alias] = out[name]
     return out
+
+
+class _Progress:
+    """A line every 10% of the parameters for checkpoints big enough to take a while (> 2^28 elements)."""
+
+    def __init__(self, manifest: mf.Manifest):
+        self.total = sum(math.prod(info["shape"]) for info in manifest.params.values())
+        self.done, self.next_tenth = 0, 1
+        self.log = get_logger() if self.total > 2**28 else None
+
+    def advance(self, numel: int) -> None:
+        self.done += numel
+        if self.log is not None and self.done * 10 >= self.next_tenth * self.total:
+            self.log.info(f"consolidating: {self.done / 1e6:,.0f}M of {self.total / 1e6:,.0f}M parameters")
+            self.next_tenth = self.done * 10 // self.total + 1
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,

@@ -188,6 +188,8 @@ class OpBuilder:
             # We hold the lock, so no live build owns torch's baton: one left
             # behind by a killed build would make torch wait forever.
             (build_dir / _TORCH_BATON).unlink(missing_ok=True)
+            # A first build takes tens of seconds: say so before it starts, not only after.
+            logger.info("building op %s (first use with these sources and flags; cached afterwards) ...", self.name)
             start = time.perf_counter()
             try:
                 module = self._compile(build_dir, verbose)
