@@ -150,10 +150,12 @@ class Engine:
             else:
                 self.skipped_steps += 1
                 if self.global_rank == 0:
+                    scaled = self.optimizer.loss_scaler is not None
                     self._log.info(
-                        f"step {self.global_steps + 1}: fp16 gradient overflow, step skipped; "
-                        f"loss scale {result.loss_scale:g} -> {self.optimizer.loss_scale:g}"
-                    )
+                        f"step {self.global_steps + 1}: "
+                        + (f"fp16 gradient overflow, step skipped; loss scale {result.loss_scale:g} -> "
+                           f"{self.optimizer.loss_scale:g}" if scaled else
+                           "non-finite gradients, step skipped (bf16.check_grad_overflow)"))
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._meter.add_step()

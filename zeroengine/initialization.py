@@ -119,6 +119,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         comm_dtype=_COMM_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
         allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
     )
+    zero_optimizer.skip_nonfinite_steps = bool(cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
     scheduler = _resolve_scheduler(cfg, torch_optimizer, lr_scheduler)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank)

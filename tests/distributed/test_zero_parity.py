@@ -141,3 +141,28 @@ def _fp16_overflow(rank, world, stage):
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
     results = run_distributed(_fp16_overflow, 2, stage)
     assert results[0] == results[1] == (1, 2.0**29, True)
+
+
+def _bf16_nonfinite(rank, world, stage, check):
+    cfg = base_config(2, 1, world, 1.0, dtype="bf16", stage=stage)
+    cfg["bf16"]["check_grad_overflow"] = check
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    before = full_state(engine)
+    x, y = global_batches(1, 1, world, 2)[0][0][rank]
+    loss = engine(x, y)
+    if rank == 1:
+        loss = loss * float("inf")  # only rank 1's gradients are not finite
+    engine.backward(loss)
+    engine.step()
+    after = full_state(engine)
+    unchanged = all(torch.equal(before[k], v) for k, v in after.items())
+    finite = all(bool(torch.isfinite(v).all()) for v in after.values())
+    return engine.skipped_steps, unchanged, finite
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_bf16_skips_a_step_with_nonfinite_gradients_everywhere(stage):
+    # bf16.check_grad_overflow (DeepSpeed's default true): no loss scaler, but the step is skipped on every rank
+    assert run_distributed(_bf16_nonfinite, 2, stage, True) == [(1, True, True)] * 2
+    # turned off, the non-finite gradients reach the optimizer, as the user asked
+    assert all(skipped == 0 and not finite for skipped, _, finite in run_distributed(_bf16_nonfinite, 2, stage, False))

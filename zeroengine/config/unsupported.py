@@ -253,13 +253,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
     "bf16": (
         Unsupported("immediate_grad_update", ANY_BOOL, "accumulating each micro-batch's bf16 gradients "
                     "into fp32 in the backward hooks rather than after backward (same sums either way)"),
-        # DeepSpeed's default is true, so refusing true would refuse DeepSpeed's own default; accepted
-        # with the difference spelled out (it only matters once a gradient is already inf/nan).
-        Unsupported("check_grad_overflow", checked("set it to true or false",
-                                                   "`true` (DeepSpeed's default) or `false`, both meaning "
-                                                   "no skipping here", lambda v: isinstance(v, bool)),
-                    "skipping bf16 steps whose gradients are not finite; zeroengine never skips a bf16 step, "
-                    "so a non-finite gradient reaches the optimizer (get_global_grad_norm() shows it)"),
         Unsupported("bf16_master_weights_and_grads", off_value(False),
                     "bf16 master weights and gradients; zeroengine keeps them in fp32"),
         Unsupported("bf16_optimizer_states", off_value(False),

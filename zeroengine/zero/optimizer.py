@@ -7,8 +7,9 @@ sharded); the order of a step is the same for all of them and lives here once:
 1. reduce gradients across data-parallel ranks (stage specific);
 2. gather the fp32, unscaled gradients this rank steps on;
 3. global gradient norm (stage specific: sharded stages sum partial norms);
-4. fp16 only: overflow (non-finite norm) agreed by every rank; the loss
-   scaler updates, and an overflowing step is skipped on all ranks alike;
+4. fp16 (and bf16 with check_grad_overflow): overflow (non-finite norm)
+   agreed by every rank; the loss scaler updates, and an overflowing step is
+   skipped on all ranks alike;
 5. clip to ``gradient_clipping`` by the global norm;
 6. the wrapped torch optimizer steps;
 7. refresh the model's parameters (16-bit copy-back, or all-gather of shards).
@@ -57,6 +58,9 @@ class ZeroOptimizer:
         self.policy = policy
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
+        # bf16's check_grad_overflow (DeepSpeed's default): a step whose gradients are not finite is skipped
+        # on every rank, as fp16's loss scaler does, instead of writing inf/nan into the weights.
+        self.skip_nonfinite_steps = False
 
     # -- what torch.optim users and LR schedulers reach for ------------------
     @property
@@ -118,9 +122,10 @@ class ZeroOptimizer:
         grads = self._unscaled_fp32_grads(1.0 / self.loss_scale)
         norm = self._grad_norm(grads)
         scale_before = self.loss_scale
-        if self.loss_scaler is not None:
+        if self.loss_scaler is not None or self.skip_nonfinite_steps:
             overflow = comm.all_reduce_scalar(0.0 if math.isfinite(norm) else 1.0, op=comm.ReduceOp.MAX) > 0
-            self.loss_scaler.update_scale(overflow)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(overflow)
             if overflow:
                 self.zero_grad()
                 return StepResult(applied=False, grad_norm=norm, loss_scale=scale_before)

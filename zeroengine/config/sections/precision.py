@@ -36,3 +36,6 @@ class BF16Config(ConfigModel):
 
     enabled: bool = Field(False, description="Train in bfloat16 mixed precision (16-bit params and grads, "
                                              "fp32 master weights and optimizer states).")
+    check_grad_overflow: bool = Field(
+        True, description="Skip (on every rank) an optimizer step whose gradients are not finite, instead of "
+                          "writing inf/nan into the weights; DeepSpeed's default.")
