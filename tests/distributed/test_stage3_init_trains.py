@@ -1,0 +1,82 @@
+"""A model whose full fp32 training state would not fit in one rank's share of memory is built under
+zero.Init and trained at stage 3: each rank's real resident memory (VmHWM, from before the model is built
+until after two optimizer steps) stays far below that full state.
+
+Full fp32 Adam training state: 16 bytes per parameter (weights, gradients, two moments). With 4 ranks a rank
+holds about a quarter of it, plus the gathered parameters of a few layers and the activations.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zeroengine
+from zeroengine.testing import run_distributed
+from zeroengine.zero import Init
+
+WIDTH, DEPTH = 1024, 16  # 16.8M parameters: 64 MiB of fp32 weights, 256 MiB of fp32 Adam training state
+FULL_STATE = 16 * WIDTH * WIDTH * DEPTH
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH))
+        for layer in self.layers:
+            nn.init.normal_(layer.weight, std=WIDTH ** -0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, torch.zeros_like(x))
+
+
+def _kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _build_and_train(rank, world):
+    # First-use costs (code paths, allocator arenas) before the baseline, with a model too small to matter.
+    with Init():
+        warm = nn.Linear(8, 8)
+    del warm
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
+    before = _kib("VmRSS") * 1024
+    torch.manual_seed(0)
+    with Init():
+        model = Deep()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": WIDTH * WIDTH,
+                                    "stage3_param_persistence_threshold": 0,
+                                    # keep at most three layers gathered, as a memory-bound run would
+                                    "stage3_max_live_parameters": 3 * WIDTH * WIDTH, "stage3_max_reuse_distance": 0,
+                                    "stage3_prefetch_bucket_size": WIDTH * WIDTH}}
+    engine, _, _, _ = zeroengine.initialize(model=model, config=config)
+    losses = []
+    for _ in range(2):
+        loss = engine(torch.randn(2, WIDTH))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    peak = _kib("VmHWM") * 1024 - before
+    states = sum(v for k, v in engine.memory_breakdown().items() if k in ("params", "grads", "optimizer_states"))
+    return peak, states, losses
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue 4): initialize() of an Init-built model grows RSS by ~140 MiB per rank "
+                   "for a 16 MiB shard here (~76 MiB of it while the torch optimizer is constructed), and glibc keeps "
+                   "freed gather buffers: peak 297 MiB vs the 256 MiB full state, though model states are exactly 1/4")
+def test_a_model_whose_training_state_exceeds_a_ranks_share_trains_under_init():
+    world = 4
+    for peak, states, losses in run_distributed(_build_and_train, world):
+        assert all(torch.isfinite(torch.tensor(losses)))
+        # the rank's model states are its 1/N share of the full training state (DESIGN.md: 16Ψ/N) ...
+        assert abs(states - FULL_STATE / world) <= 0.05 * FULL_STATE / world, (states, FULL_STATE)
+        # ... and the process never held much more: well under half of the full state at any moment
+        assert peak < 0.5 * FULL_STATE, (peak / 2**20, FULL_STATE / 2**20)
