@@ -11,7 +11,6 @@ error, and never leaves some ranks waiting in a collective.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -19,10 +18,11 @@ import torch
 from zeroengine import comm
 from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters
+from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
+from .agreement import exchange, raise_failures
 from .files import CheckpointError, load_tensors
-from .save import _full_shape
 from .state import parameter_names, restore_rng
 
 
@@ -38,11 +38,9 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     if plan is not None and plan.tag_dir is None and problem is None:
         if rank == 0:
             get_logger().warning(f"no checkpoint to load in {load_dir} (no 'latest' file there, and no tag given)")
-    reports = _agree(problem)
-    failed = {r: msg for r, msg in enumerate(reports) if msg}
-    if failed:
-        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
-        raise CheckpointError(f"cannot load the checkpoint from {load_dir}; nothing was changed:\n{lines}")
+    reports = exchange("load_checkpoint", problem)
+    raise_failures({r: msg for r, msg in enumerate(reports) if msg},
+                   f"cannot load the checkpoint from {load_dir}; nothing was changed: it failed")
     if plan.tag_dir is None:
         return None, None
 
@@ -57,15 +55,6 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         get_logger().info(f"loaded checkpoint {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
                           f"rank(s) at ZeRO stage {plan.manifest.data['zero_stage']})")
     return plan.tag_dir, common["client_state"]
-
-
-def _agree(problem: str | None) -> list[str | None]:
-    try:
-        raw = comm.handshakes.exchange("load_checkpoint", json.dumps(problem).encode())
-    except comm.HandshakeTimeout as err:
-        raise CheckpointError(f"load_checkpoint is collective: every rank must call it, but rank(s) "
-                              f"{err.missing} did not reach it in time ({err})") from None
-    return [json.loads(r) for r in raw]
 
 
 class _Plan:
@@ -97,7 +86,7 @@ class _Plan:
 
     def _check_params(self) -> None:
         saved = self.manifest.params
-        mine = {self.names[id(p)]: _full_shape(p) for p in self.engine.optimizer.checkpoint_params()}
+        mine = {self.names[id(p)]: full_shape(p) for p in self.engine.optimizer.checkpoint_params()}
         missing = sorted(set(mine) - set(saved))
         if missing:
             raise CheckpointError(f"checkpoint {self.tag_dir} has no values for parameter(s) {missing[:8]}"

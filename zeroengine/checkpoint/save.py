@@ -17,7 +17,6 @@ The protocol (Note: crash-safe, collective-safe saves):
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import time
@@ -28,8 +27,10 @@ import torch
 from zeroengine import comm
 from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters
+from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
+from .agreement import exchange, raise_failures
 from .files import CheckpointError, fsync_dir, save_json, save_tensors, save_text
 from .state import capture_rng, check_plain, parameter_aliases, parameter_names
 
@@ -44,7 +45,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     except CheckpointError as err:
         problem = str(err)
     arrival = _exchange("save_checkpoint", {"tag": tag, "nonce": uuid.uuid4().hex[:12], "error": problem})
-    _raise_if_failed(arrival, "save_checkpoint")
+    raise_failures({r: p["error"] for r, p in enumerate(arrival) if p["error"]}, "save_checkpoint refused")
     tag = _agreed_tag(engine, arrival)
     staging = mf.staging_dir(save_dir, tag) + "-" + arrival[0]["nonce"]
 
@@ -72,10 +73,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         except Exception as err:  # noqa: BLE001
             outcome["error"] = f"{type(err).__name__}: {err}"
     outcome = _exchange("save_checkpoint/commit", outcome if rank == 0 else {"error": None})[0]
-    if failed:
-        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
-        raise CheckpointError(f"checkpoint {tag!r} was not saved (latest still names the previous one); "
-                              f"writing failed on rank(s) {sorted(failed)}:\n{lines}")
+    raise_failures(failed, f"checkpoint {tag!r} was not saved (latest still names the previous one); writing failed")
     if outcome["error"]:
         raise CheckpointError(f"checkpoint {tag!r} was not committed by rank 0: {outcome['error']}")
     tag_dir = os.path.join(save_dir, tag)
@@ -84,22 +82,12 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     return tag_dir
 
 
+_SAVE_ADVICE = (". Call engine.save_checkpoint on all ranks, not under `if rank == 0:` "
+                "(only rank 0 writes the shared files anyway)")
+
+
 def _exchange(name: str, payload: dict) -> list[dict]:
-    try:
-        raw = comm.handshakes.exchange(name, json.dumps(payload).encode())
-    except comm.HandshakeTimeout as err:
-        raise CheckpointError(
-            f"{name.split('/')[0]} is collective: every rank must call it, but rank(s) {err.missing} did not "
-            f"reach it in time ({err}). Call engine.save_checkpoint on all ranks, not under `if rank == 0:` "
-            "(only rank 0 writes the shared files anyway)") from None
-    return [json.loads(r) for r in raw]
-
-
-def _raise_if_failed(payloads: list[dict], what: str) -> None:
-    failed = {r: p["error"] for r, p in enumerate(payloads) if p.get("error")}
-    if failed:
-        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
-        raise CheckpointError(f"{what} refused on rank(s) {sorted(failed)}:\n{lines}")
+    return exchange(name, payload, _SAVE_ADVICE)
 
 
 def _agreed_tag(engine, arrival: list[dict]) -> str:
@@ -171,18 +159,8 @@ def _param_table(engine) -> dict:
     for piece in engine.optimizer.checkpoint_pieces():
         groups.setdefault(names[id(piece.param)], group_of.get(id(piece.opt_param)))
     dtype = str(engine.policy.param_dtype).replace("torch.", "")  # the model's; stored values are fp32
-    return {names[id(p)]: {"shape": list(_full_shape(p)), "dtype": dtype, "group": groups.get(names[id(p)])}
+    return {names[id(p)]: {"shape": list(full_shape(p)), "dtype": dtype, "group": groups.get(names[id(p)])}
             for p in engine.optimizer.checkpoint_params()}
-
-
-def _full_shape(param) -> torch.Size:
-    from zeroengine.zero.gathered import _lookup
-
-    entry = _lookup(param)
-    if entry is None:
-        return param.shape
-    buffer, _, _, index = entry
-    return buffer.full_shape(index)
 
 
 def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool) -> None:

@@ -1,0 +1,25 @@
+"""How the ranks of a save or load agree: JSON payloads over the store handshake, and one way to report failures."""
+from __future__ import annotations
+
+import json
+
+from zeroengine import comm
+
+from .files import CheckpointError
+
+
+def exchange(name: str, payload, advice: str = "") -> list:
+    """Every rank's ``payload`` (JSON-able), in rank order; a rank that never arrives is named, not waited for."""
+    try:
+        raw = comm.handshakes.exchange(name, json.dumps(payload).encode())
+    except comm.HandshakeTimeout as err:
+        raise CheckpointError(f"{name.split('/')[0]} is collective: every rank must call it, but rank(s) "
+                              f"{err.missing} did not reach it in time ({err}){advice}") from None
+    return [json.loads(r) for r in raw]
+
+
+def raise_failures(failed: dict[int, str], what: str) -> None:
+    """One error naming each rank that failed and why (nothing when ``failed`` is empty)."""
+    if failed:
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(failed.items()))
+        raise CheckpointError(f"{what} on rank(s) {sorted(failed)}:\n{lines}")
