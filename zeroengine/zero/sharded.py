@@ -52,7 +52,6 @@ class ShardedOptimizer(ZeroOptimizer):
         self.copy_out: list[torch.Tensor] | None = None
         if offload is not None and policy.mixed and hasattr(optimizer, "step_with_copy"):
             self.copy_out = [self._host_buffer(c.shape, policy.param_dtype).copy_(c) for c in self.chunks]
-        self._stepped_with_copy = False
         # Offload: the step streams gradients down bucket by bucket (zeroengine/offload/step.py).
         self.offloaded_step = None if offload is None else OffloadedStep(
             optimizer, self.layout, rank, self.pieces, self.copy_out, bool(offload.pin_memory))
@@ -138,32 +137,27 @@ class ShardedOptimizer(ZeroOptimizer):
             super()._clip_grads(grads, coef)
 
     def _optimizer_step(self) -> None:
-        if self.offloaded_step is not None:
-            values = self.copy_out if self.copy_out is not None else self.chunks
-            refresh = getattr(self.flat_params, "start_refresh", None)  # stages 1-2: overlap the copy back
-            bucket_done = None if refresh is None else (
-                lambda b: self._refreshing.append(refresh(self.layout.buckets[b], values[b])))
-            self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef, bucket_done)
-            self._stepped_with_copy = self.copy_out is not None
+        if self.offloaded_step is None:
+            super()._optimizer_step()
             return
-        if self.copy_out is None:
-            self.optimizer.step()
-            return
-        targets = {piece: self.copy_out[b][where.chunk_start:where.chunk_start + where.numel]
-                   for b, (bucket, pieces) in enumerate(zip(self.layout.buckets, self.pieces))
-                   for where, piece in zip(bucket.pieces_in_chunk(self.rank), pieces)}
-        self.optimizer.step_with_copy(targets)
-        self._stepped_with_copy = True
+        values = self._updated_values()
+        refresh = getattr(self.flat_params, "start_refresh", None)  # stages 1-2: overlap the copy back
+        bucket_done = None if refresh is None else (
+            lambda b: self._refreshing.append(refresh(self.layout.buckets[b], values[b])))
+        self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef, bucket_done)
+
+    def _updated_values(self) -> list[torch.Tensor]:
+        """What a step leaves to send back: the 16-bit copies the CPU Adam wrote (offloaded mixed precision,
+        where ``copy_out`` exists), else the updated chunks."""
+        return self.copy_out if self.copy_out is not None else self.chunks
 
     def _refresh_model_params(self) -> None:
         # Stages 1-2 all-gather the updated chunks; stage 3 only refreshes its local shard.
-        fused = self._stepped_with_copy
-        self._stepped_with_copy = False
         if self._refreshing:  # the offloaded step already started every bucket's refresh
             pending, self._refreshing = self._refreshing, []
             self.flat_params.finish_refresh(pending)
             return
-        self.flat_params.after_step(self.copy_out if fused else self.chunks)
+        self.flat_params.after_step(self._updated_values())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_store.zero()
