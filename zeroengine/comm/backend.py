@@ -71,9 +71,22 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
 
 
 def shutdown() -> None:
-    """Tear the process group down (call at the end of a script; NCCL warns otherwise)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear the process group down (call at the end of a script; NCCL warns otherwise).
+
+    Ranks first meet (through the store, with a deadline, so a rank that never comes cannot hang the
+    others): a rank that tears down while a peer is still finishing its last collective closes the
+    connections under it, and the peer's gloo threads abort the process ("terminate called without an
+    active exception", seen in the example run under load)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        from .handshake import HandshakeTimeout, handshakes
+
+        try:
+            handshakes.exchange("shutdown", b"", timeout_s=60)
+        except HandshakeTimeout:
+            pass  # a peer is gone already: nothing left to wait for
+    dist.destroy_process_group()
 
 
 def enable_sequence_check(timeout_s: float = 60.0) -> None:
