@@ -16,6 +16,7 @@ from zeroengine.optim.factory import build_optimizer
 from zeroengine.optim.schedulers import build_scheduler
 from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
+from zeroengine.progress import set_log_level
 from zeroengine.zero.factory import build_zero_optimizer
 from zeroengine.zero.initial_state import broadcast_initial_state
 
@@ -95,6 +96,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if dist_init_required is not False:
         comm.init_distributed()
     cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
+    set_log_level(cfg.log_level)
     configure_checkpointing(cfg, mpu)
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()

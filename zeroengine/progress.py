@@ -28,6 +28,20 @@ def get_logger() -> logging.Logger:
     return logger
 
 
+def set_log_level(level: str | None) -> None:
+    """Apply the config's ``log_level`` (DeepSpeed's key) to the "zeroengine" logger tree.
+
+    Every zeroengine module logs under "zeroengine.*", so the children follow;
+    null leaves the level alone.
+    """
+    if level is None:
+        return
+    value = logging.getLevelName(level.upper())
+    logger.setLevel(value)
+    for handler in logger.handlers:
+        handler.setLevel(value)
+
+
 class StepTimers:
     """Accumulated seconds per phase (forward / backward / step) since the last report."""
 

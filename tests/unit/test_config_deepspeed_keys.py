@@ -4,14 +4,25 @@ Defaults were read from the installed DeepSpeed 0.19.8 (runtime/zero/config.py,
 zero/offload_config.py, zero/leaf_module_config.py, precision_config.py,
 tensor_parallel/config.py, utils/config.py, runtime/constants.py); they are
 written out here rather than imported because the package must never import
-DeepSpeed.
+DeepSpeed. configs/deepspeed_0_19_8_keys.json lists every key DeepSpeed 0.19.8
+reads, with its default (made by scripts/list_deepspeed_keys.py): none of them
+may be an unknown key here.
 """
+import json
+import logging
+import os
 import sys
 
 import pytest
 
+import torch
+
+import zeroengine
 from zeroengine.config import ConfigError, load_config
+from zeroengine.config.legacy import LEGACY_KEYS
 from zeroengine.config.unsupported import UNSUPPORTED
+from zeroengine.optim.factory import build_optimizer
+from zeroengine.optim.schedulers import build_scheduler
 
 BASE = {"train_batch_size": 8}
 _MOE_BLOCKS = ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
@@ -43,12 +54,35 @@ KEYS = [
     ("", "weight_quantization", {"quantized_initialization": {}, "post_init_quant": {}},
      {"quantized_initialization": {"num_bits": 8, "group_size": 64}}, "set enabled=false"),
     ("", "use_data_before_expert_parallelism", False, True, "set it to false"),
+    ("zero_optimization", "stage3_allgather_sequential", False, "yes", "true or false"),
+    ("zero_optimization", "override_module_apply", True, False, "full parameter values"),
+    ("zero_optimization", "log_trace_cache_warnings", False, 1, "true or false"),
+    ("zero_optimization", "enable_sanity_checks", False, "on", "true or false"),
+    ("zero_optimization", "pipeline_loading_checkpoint", False, "no", "never reads"),
+    ("zero_optimization", "save_muon_momentum_buffer_in_memory", False, 0, "true or false"),
+    ("zero_optimization", "zeropp_loco_param", None, {"err_beta": 0.8}, "set it to null"),
+    ("zero_optimization", "zenflow", None, {}, "set it to null"),  # DeepSpeed: any block switches it on
+    ("optimizer", "legacy_fusion", False, True, "set it to false"),
+    ("", "managed_gradient_accumulation", True, False, "set_gradient_accumulation_boundary"),
+    ("", "gradient_allreduce_op", "mean", "sum", "multiply the loss by the data-parallel world size"),
+    ("", "disable_python_gc", False, "yes", "true or false"),
+    ("", "datastates_ckpt", False, {"host_cache_size": 16}, "set it to false"),
+    ("", "sequence_parallel_size", 1, 2, "set it to 1"),
+    ("", "vocabulary_size", None, "50257", "whole number"),
+    ("", "aio", {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                 "overlap_events": True, "use_gds": False}, {"block_sise": 1048576}, "aio keys"),
+    ("", "compile", {"deepcompile": False, "free_activation_threshold": 10485760, "double_buffer": True},
+     {"deepcompile": True}, "set deepcompile=false"),
+    ("", "pipeline", {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
+                      "pipe_partitioned": True, "grad_partitioned": True}, {"stages": 2}, "DeepSpeed's defaults"),
+    ("", "data_types", {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
+                        "keep_in_fp32_modules": "auto"}, {"grad_accum_dtype": "fp32"}, "training dtype"),
 ]
 
 
 def config_with(section, key, value):
     """BASE plus ``key: value`` inside ``section`` (stage 3 with CPU optimizer offload, so every section exists)."""
-    cfg = {**BASE, "bf16": {"enabled": True},
+    cfg = {**BASE, "bf16": {"enabled": True}, "optimizer": {"type": "Adam"},
            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     block = cfg
     for part in section.split(".") if section else ():
@@ -100,6 +134,13 @@ def test_every_row_is_in_the_unsupported_table():
     ("", "weight_quantization", {"enabled": False, "quantized_initialization": {"num_bits": 8}}),
     ("zero_optimization", "leaf_module", {"classes": list(reversed(_MOE_BLOCKS))}),
     ("zero_optimization", "stage3_model_persistence_threshold", 9.223372036854776e18),
+    ("zero_optimization", "stage3_allgather_sequential", True),
+    ("", "gradient_allreduce_op", "MEAN"),  # DeepSpeed lower-cases it
+    ("", "disable_python_gc", True),
+    ("", "vocabulary_size", 50257),
+    ("", "aio", {"use_gds": True, "queue_depth": 32}),  # only NVMe offload reads them
+    ("", "compile", {"deepcompile": False, "offload_activation": True}),
+    ("", "data_types", {"keep_in_fp32_modules": "auto"}),
 ])
 def test_values_that_change_nothing_load(section, key, value):
     """Performance knobs at any value, and other spellings of "off" (results are the same as without the key)."""
@@ -153,3 +194,124 @@ def test_tensor_parallel_is_no_longer_an_unknown_key_suggesting_tensorboard():
     with pytest.raises(ConfigError) as info:
         load_config({**BASE, "tensor_parallel": {"autotp_size": 8}})
     assert "tensorboard" not in str(info.value) and "unknown key" not in str(info.value)
+
+
+# -- every key DeepSpeed 0.19.8 reads ------------------------------------------------------------
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "deepspeed_0_19_8_keys.json")) as f:
+    DS_KEYS = json.load(f)["keys"]
+
+# Blocks whose mere presence switches a DeepSpeed feature on, even filled with DeepSpeed's defaults.
+SWITCHED_ON_BY_PRESENCE = ("zero_optimization.zenflow", "checkpoint.writer")
+
+
+def _ds_config(section, key, value):
+    cfg = {**BASE}
+    if section == "optimizer":
+        cfg["optimizer"] = {"type": "Adam"}
+    if section.startswith("zero_optimization"):
+        cfg["zero_optimization"] = {"stage": 3}
+    block = cfg
+    for part in section.split(".") if section else ():
+        block = block.setdefault(part, {})
+        if part.startswith("offload_"):
+            block.setdefault("device", "cpu")
+    block[key] = value
+    return cfg
+
+
+def test_the_key_list_is_deepspeed_0_19_8_and_complete_enough():
+    assert len(DS_KEYS) > 300
+    listed = {(s, k) for s, k, _ in DS_KEYS}
+    # a few keys the issue named, from different parsers
+    assert {("zero_optimization", "stage3_allgather_sequential"), ("", "log_level"),
+            ("", "managed_gradient_accumulation"), ("", "disable_python_gc"), ("", "gradient_allreduce_op"),
+            ("zero_optimization.offload_optimizer", "ratio"), ("aio", "block_size")} <= listed
+
+
+@pytest.mark.parametrize("section,key,default", DS_KEYS, ids=[f"{s}.{k}" if s else k for s, k, _ in DS_KEYS])
+def test_no_deepspeed_key_is_unknown(section, key, default):
+    """At DeepSpeed's default every key loads, except inside blocks whose presence alone enables a feature,
+    which are refused naming the block (never 'unknown key')."""
+    cfg = _ds_config(section, key, default)
+    block = next((b for b in SWITCHED_ON_BY_PRESENCE if section == b), None)
+    if block is None:
+        load_config(cfg)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg)
+    assert info.value.key_path == block and "does not implement" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+                                  "max_reuse_distance"])
+def test_deepspeed_field_names_of_stage3_keys_are_the_stage3_keys(name):
+    cfg = load_config({**BASE, "zero_optimization": {"stage": 3, name: 12345}})
+    assert getattr(cfg.zero_optimization, f"stage3_{name}") == 12345
+    with pytest.raises(ConfigError, match="given twice") as info:
+        load_config({**BASE, "zero_optimization": {"stage": 3, name: 1, f"stage3_{name}": 2}})
+    assert info.value.key_path == f"zero_optimization.stage3_{name}"
+    assert any(entry.old == name for entry in LEGACY_KEYS)
+
+
+def test_deepspeed_field_names_reach_unsupported_keys_too():
+    with pytest.raises(ConfigError, match="set it to 0") as info:
+        load_config({**BASE, "zero_optimization": {"stage": 3, "module_granularity_threshold": 100}})
+    assert info.value.key_path == "zero_optimization.stage3_module_granularity_threshold"
+
+
+def test_deprecated_cpu_offload_flags_at_null_are_absent():
+    cfg = load_config({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": None, "cpu_offload_param": None,
+                                                      "cpu_offload_use_pin_memory": None}})
+    assert cfg.zero_optimization.offload_optimizer is None and cfg.zero_optimization.offload_param is None
+
+
+def test_log_level_is_honoured_by_initialize():
+    assert load_config({**BASE, "log_level": "WARNING"}).log_level == "warning"
+    with pytest.raises(ConfigError) as info:
+        load_config({**BASE, "log_level": "verbose"})
+    assert info.value.key_path == "log_level"
+    logger = logging.getLogger("zeroengine")
+    before = logger.level
+    try:
+        model = torch.nn.Linear(2, 2)
+        zeroengine.initialize(model=model, model_parameters=model.parameters(),
+                              config={**BASE, "log_level": "error", "optimizer": {"type": "SGD"}})
+        assert logger.level == logging.ERROR
+        assert not logging.getLogger("zeroengine.optim.factory").isEnabledFor(logging.WARNING)
+    finally:
+        logger.setLevel(before)
+
+
+def test_deepspeed_adam_flags_load_at_their_defaults_and_build():
+    params = {"lr": 0.01, "set_grad_none": True, "fp32_optimizer_states": True}
+    cfg = load_config({**BASE, "optimizer": {"type": "AdamW", "params": params}})
+    opt = build_optimizer(cfg.optimizer.type, cfg.optimizer.params, [torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == 0.01
+    for key in ("set_grad_none", "fp32_optimizer_states"):
+        with pytest.raises(ConfigError, match=f"{key}=false is not supported") as info:
+            load_config({**BASE, "optimizer": {"type": "Adam", "params": {key: False}}})
+        assert info.value.key_path == f"optimizer.params.{key}"
+
+
+@pytest.mark.parametrize("type_name,params", [
+    ("WarmupLR", {"warmup_num_steps": 4}),
+    ("WarmupDecayLR", {"total_num_steps": 10, "warmup_num_steps": 4}),
+    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 4}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4}),
+])
+def test_scheduler_last_batch_iteration_starts_part_way(type_name, params):
+    """DeepSpeed's schedules take last_batch_iteration; built with 2, the schedule is where a fresh one is
+    after three steps."""
+    def build(extra):
+        cfg = load_config({**BASE, "scheduler": {"type": type_name, "params": {**params, **extra}}})
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+        return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, opt)
+
+    fresh, resumed = build({}), build({"last_batch_iteration": 2})
+    for _ in range(3):
+        fresh.step()
+    assert resumed.get_lr() == fresh.get_lr() != build({}).get_lr()
+    with pytest.raises(ConfigError) as info:
+        build({"last_batch_iteration": -2})
+    assert info.value.key_path == "scheduler.params.last_batch_iteration"

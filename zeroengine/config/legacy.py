@@ -36,6 +36,14 @@ LEGACY_KEYS: List[LegacyKey] = [
     LegacyKey(_ZERO, "cpu_offload_use_pin_memory", "pin_memory", "of the offload blocks made by the two keys above"),
 ]
 
+# DeepSpeed's ZeRO model also accepts its Python field names for the stage3_* keys
+# (pydantic populate_by_name), so `"max_live_parameters": ...` works there too.
+_FIELD_NAMES = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+                "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+                "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
+LEGACY_KEYS += [LegacyKey(_ZERO, name, f"{_ZERO}.stage3_{name}", "DeepSpeed's field name for the same key")
+                for name in _FIELD_NAMES]
+
 
 def legacy_keys_at(section: str) -> List[str]:
     """Old spellings accepted directly under ``section`` (for suggestions)."""
@@ -57,6 +65,8 @@ def apply_legacy_keys(data: Dict[str, Any]) -> None:
     elif isinstance(zero, dict):
         _move(zero, "zero_optimization", "stage3_gather_fp16_weights_on_model_save",
               zero, "stage3_gather_16bit_weights_on_model_save")
+        for name in _FIELD_NAMES:
+            _move(zero, "zero_optimization", name, zero, f"stage3_{name}")
         _cpu_offload_flags(zero)
 
 
@@ -78,7 +88,10 @@ def _cpu_offload_flags(zero: dict) -> None:
         if old not in zero:
             continue
         path = join_path("zero_optimization", old)
-        enabled = _flag(zero.pop(old), path)
+        value = zero.pop(old)
+        if value is None:  # DeepSpeed's default for these deprecated fields: not given
+            continue
+        enabled = _flag(value, path)
         if not enabled:
             continue
         if block in zero:
@@ -88,7 +101,8 @@ def _cpu_offload_flags(zero: dict) -> None:
         made.append(block)
     if "cpu_offload_use_pin_memory" in zero:
         path = "zero_optimization.cpu_offload_use_pin_memory"
-        pin = _flag(zero.pop("cpu_offload_use_pin_memory"), path)
+        pin = zero.pop("cpu_offload_use_pin_memory")
+        pin = False if pin is None else _flag(pin, path)
         if pin and not made:
             raise ConfigError(path, "only applies with cpu_offload / cpu_offload_params: true; "
                                     "set pin_memory in offload_optimizer / offload_param instead")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .base import ConfigModel, NonNegativeFloat, PositiveFloat, PositiveInt, rule_error
 from .errors import ConfigError
@@ -66,6 +66,9 @@ class ZeroEngineConfig(ConfigModel):
                                                         "reduction instead of after.")
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = Field(
         None, description="Dtype of gradient reductions (null: the training dtype).")
+    log_level: Optional[Literal["debug", "info", "warning", "error", "critical"]] = Field(
+        None, description="Level of the 'zeroengine' logger (any capitalisation); null leaves it as it is "
+                          "(INFO unless the application set it).")
     comm_debug: bool = Field(False, description="zeroengine's own key: record the sequence of collectives on "
                                                 "every rank and fail with a report when ranks diverge, instead "
                                                 "of hanging.")
@@ -81,6 +84,12 @@ class ZeroEngineConfig(ConfigModel):
             super().__init__(**data)
         except ValidationError as error:
             raise ConfigError.from_problems(problems_from(error, type(self))) from None
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_any_case(cls, value: Any) -> Any:
+        # DeepSpeed lower-cases the level name before looking it up.
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> "ZeroEngineConfig":

@@ -22,7 +22,7 @@ from .errors import ConfigError, join_path
 
 
 class Neutral(NamedTuple):
-    """How a feature's key reads when the feature is off (null and {} always do)."""
+    """How a feature's key reads when the feature is off (null always does, {} unless kind is "null")."""
 
     hint: str                    # completes "remove it or ..."
     accepted: str                # for the reference: the values accepted
@@ -30,10 +30,15 @@ class Neutral(NamedTuple):
                                  # "empty": an object whose values are all null/false
                                  # "value": exactly one of `values`
                                  # "check": `values[0](value)` is true
+                                 # "null": only null (the block's presence, even {}, switches it on)
     values: Tuple[Any, ...] = ()
 
     def accepts(self, value: Any) -> bool:
-        if value is None or value == {}:
+        if value is None:
+            return True
+        if self.kind == "null":
+            return False
+        if value == {}:
             return True
         if self.kind == "enabled":
             return isinstance(value, dict) and _is_one_of(value.get("enabled", False), self.values)
@@ -51,6 +56,7 @@ def _is_one_of(value: Any, options: Tuple[Any, ...]) -> bool:
 
 ENABLED_FALSE = Neutral("set enabled=false", "`enabled: false`", "enabled", (False,))
 EMPTY = Neutral("set its values to null", "every value null or false", "empty")
+NULL_ONLY = Neutral("set it to null", "`null` (any block, even `{}`, switches the feature on)", "null")
 
 
 def off_value(value: Any) -> Neutral:
@@ -127,6 +133,38 @@ def _weight_quantization_is_off(value: Any) -> bool:
         value.get(k) for k in ("quantized_initialization", "post_init_quant")))
 
 
+# DeepSpeed's async-I/O settings: read only by NVMe offload, which zeroengine refuses, so inert at any value.
+_AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
+
+# DeepSpeed's pipeline defaults (runtime/config.py get_pipeline_config); read only for a PipelineModule.
+_PIPELINE_DEFAULTS = {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
+                      "pipe_partitioned": True, "grad_partitioned": True}
+
+# DeepSpeed's CompileConfig: every key but deepcompile configures DeepCompile's passes only.
+_COMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
+                 "offload_activation", "offload_activation_pin_memory", "offload_opt_states", "double_buffer",
+                 "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
+                 "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+                 "keep_all_input_tensors", "passes")
+
+
+def _pipeline_is_default(value: Any) -> bool:
+    return _has_only(value, tuple(_PIPELINE_DEFAULTS)) and all(
+        v is None or _is_one_of(v, (_PIPELINE_DEFAULTS[k],)) for k, v in value.items())
+
+
+def _compile_is_off(value: Any) -> bool:
+    return _has_only(value, _COMPILE_KEYS) and not value.get("deepcompile")
+
+
+def _data_types_are_default(value: Any) -> bool:
+    # keep_in_fp32_modules "auto" is DeepSpeed's default; the dtype overrides default to null.
+    if not _has_only(value, ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")):
+        return False
+    return (all(value.get(k) is None for k in ("grad_accum_dtype", "param_dtype", "buffer_dtype"))
+            and value.get("keep_in_fp32_modules", "auto") in (None, "auto"))
+
+
 class Unsupported(NamedTuple):
     key: str
     neutral: Neutral
@@ -139,29 +177,51 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         # HuggingFace's integration writes "amp": {"enabled": "auto"}; outside its Trainer that means off.
         Unsupported("amp", Neutral("set enabled=false", "`enabled: false` or `enabled: \"auto\"`", "enabled",
                                    (False, "auto")), "NVIDIA Apex AMP"),
-        Unsupported("aio", EMPTY, "async I/O for NVMe offload"),
+        Unsupported("aio", checked("use only DeepSpeed's aio keys (" + ", ".join(_AIO_KEYS) + ")",
+                                   "any of DeepSpeed's aio keys, any values (no effect on results)",
+                                   lambda v: _has_only(v, _AIO_KEYS)),
+                    "async I/O settings of NVMe offload; zeroengine refuses NVMe offload, so they are never read"),
         Unsupported("autotuning", ENABLED_FALSE, "automatic search of ZeRO/batch settings"),
         Unsupported("comet", ENABLED_FALSE, "Comet experiment logging"),
         Unsupported("comms_logger", ENABLED_FALSE, "logging of every collective"),
-        Unsupported("compile", EMPTY, "torch.compile / DeepCompile integration"),
+        Unsupported("compile", checked("set deepcompile=false", "`deepcompile` false or absent (the other keys "
+                                       "configure DeepCompile only)", _compile_is_off),
+                    "DeepCompile, DeepSpeed's compiler passes for ZeRO"),
         Unsupported("compression_training", EMPTY, "quantization/pruning-aware training"),
         Unsupported("curriculum_learning", ENABLED_FALSE, "sequence-length curriculum"),
         Unsupported("data_efficiency", ENABLED_FALSE, "data sampling and routing library"),
-        Unsupported("data_types", EMPTY, "separate gradient-accumulation dtype"),
+        Unsupported("data_types", checked("set its dtypes to null and keep_in_fp32_modules to \"auto\"",
+                                          "dtypes null, `keep_in_fp32_modules` `\"auto\"`",
+                                          _data_types_are_default),
+                    "separate gradient-accumulation, parameter and buffer dtypes, and buffers kept in fp32; "
+                    "zeroengine casts every floating parameter and buffer to the training dtype"),
+        Unsupported("datastates_ckpt", off_value(False), "DataStates-LLM asynchronous checkpointing"),
         Unsupported("disable_allgather", off_value(False), "skipping the parameter all-gather"),
+        Unsupported("disable_python_gc", ANY_BOOL, "switching off Python's cyclic garbage collector while the "
+                    "engine lives (speed only; zeroengine leaves the collector alone)"),
         Unsupported("dump_state", off_value(False), "printing the engine state at startup"),
         Unsupported("eigenvalue", ENABLED_FALSE, "Hessian eigenvalue computation"),
         Unsupported("elasticity", ENABLED_FALSE, "elastic batch sizes across world sizes"),
         Unsupported("expert_parallel", ENABLED_FALSE, "AutoEP, expert parallelism applied automatically to "
                     "HuggingFace MoE blocks; zeroengine's expert parallelism is zeroengine.moe.MoE(ep_size=...)"),
         Unsupported("flops_profiler", ENABLED_FALSE, "FLOPs profiler"),
+        Unsupported("gradient_allreduce_op", checked("set it to \"mean\"", "`\"mean\"` (any capitalisation)",
+                                                     lambda v: isinstance(v, str) and v.lower() == "mean"),
+                    "summing instead of averaging gradients over data-parallel ranks; zeroengine averages "
+                    "(for summed gradients multiply the loss by the data-parallel world size)"),
         Unsupported("graph_harvesting", off_value(False), "accelerator graph capture and replay (removed "
                     "in DeepSpeed 0.19.8, which refuses the key at any value)"),
         Unsupported("hybrid_engine", ENABLED_FALSE, "RLHF inference/training hybrid engine"),
+        Unsupported("managed_gradient_accumulation", off_value(True),
+                    "letting step() be the accumulation boundary with a variable number of backward calls; "
+                    "zeroengine counts gradient_accumulation_steps (or use set_gradient_accumulation_boundary)"),
         Unsupported("memory_breakdown", off_value(False), "memory-usage logging; zeroengine offers "
                     "engine.memory_breakdown() instead"),
         Unsupported("nebula", ENABLED_FALSE, "Azure Nebula checkpoint service"),
-        Unsupported("pipeline", EMPTY, "pipeline parallelism"),
+        Unsupported("pipeline", checked("set its values to DeepSpeed's defaults",
+                                        "DeepSpeed's defaults (`stages` \"auto\", `partition` \"best\", ...), "
+                                        "read only for a PipelineModule", _pipeline_is_default),
+                    "pipeline parallelism (deepspeed.pipe.PipelineModule)"),
         Unsupported("progressive_layer_drop", ENABLED_FALSE, "progressive layer dropping"),
         Unsupported("quantize_training", ENABLED_FALSE, "MoQ quantize-aware training"),
         Unsupported("seq_parallel_communication_data_type",
@@ -169,6 +229,7 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
                             lambda v: isinstance(v, str) and v.lower() in ("fp32", "fp16", "bf16")),
                     "dtype of DeepSpeed-Ulysses sequence-parallel all-to-alls; zeroengine has no sequence "
                     "parallelism, so any dtype DeepSpeed accepts has no effect"),
+        Unsupported("sequence_parallel_size", off_value(1), "DeepSpeed-Ulysses sequence parallelism"),
         Unsupported("sparse_attention", EMPTY, "block-sparse attention kernels"),
         Unsupported("sparse_gradients", off_value(False), "sparse embedding gradients"),
         Unsupported("tensor_parallel", checked("set autotp_size to 0", "`autotp_size` 0 or 1 (and `tp.tp_size` 1)",
@@ -183,6 +244,10 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("use_data_before_expert_parallelism", off_value(False),
                     "placing data-parallel ranks before expert-parallel ones; zeroengine always builds "
                     "DeepSpeed's default layout (expert-parallel groups of consecutive ranks)"),
+        Unsupported("vocabulary_size", checked("set it to a whole number or null",
+                                               "a whole number or null (no effect on results)",
+                                               lambda v: v is None or (_is_number(v) and v >= 0 and float(v).is_integer())),
+                    "the vocabulary size, which DeepSpeed only checks for tensor-core alignment (a warning)"),
         Unsupported("wandb", ENABLED_FALSE, "Weights & Biases logging"),
         Unsupported("weight_quantization", checked("set enabled=false",
                                                    "`enabled: false`, or no `quantized_initialization` / "
@@ -200,7 +265,7 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("zero_quantized_gradients", off_value(False), "ZeRO++ quantized gradient reduction"),
         Unsupported("mics_shard_size", off_value(-1), "MiCS sub-group sharding"),
         Unsupported("mics_hierarchical_params_gather", off_value(False), "MiCS hierarchical all-gather"),
-        Unsupported("zenflow", EMPTY, "ZenFlow stall-free offload"),
+        Unsupported("zenflow", NULL_ONLY, "ZenFlow stall-free offload"),
         Unsupported("stage3_model_persistence_threshold",
                     checked(f"set it to {sys.maxsize} (sys.maxsize, no cap)", f"`{sys.maxsize}` (no cap) or more",
                             lambda v: _is_number(v) and v >= sys.maxsize),
@@ -229,6 +294,24 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
                                            "no `names` or `name_suffixes`)", _leaf_module_is_default),
                     "user-chosen ZeRO-3 leaf modules whose submodules get no fetch hooks; zeroengine has "
                     "no leaf modules"),
+        Unsupported("stage3_allgather_sequential", ANY_BOOL,
+                    "all-gathering stage-3 parameters one by one instead of in buckets (copies and memory only; "
+                    "the gathered values are the same)"),
+        Unsupported("override_module_apply", off_value(True),
+                    "gathering parameters for Module.apply under zero.Init; zeroengine.zero.Init always gives "
+                    "initialisation code (Module.apply included) the full parameter values"),
+        Unsupported("log_trace_cache_warnings", ANY_BOOL, "logging stage-3 trace-cache invalidations"),
+        Unsupported("enable_sanity_checks", ANY_BOOL,
+                    "internal stage-3 consistency checks while debugging (zeroengine's comm_debug checks "
+                    "collectives instead)"),
+        Unsupported("pipeline_loading_checkpoint", ANY_BOOL, "a flag DeepSpeed 0.19.8 defines but never reads"),
+        Unsupported("save_muon_momentum_buffer_in_memory", ANY_BOOL,
+                    "keeping Muon's momentum out of NVMe swapping (NVMe offload and Muon only)"),
+        Unsupported("zeropp_loco_param", off_value(None), "LoCo error feedback for ZeRO++ quantized gradients "
+                    "(removed in DeepSpeed 0.19.8, which refuses the key at any value)"),
+    ),
+    "optimizer": (
+        Unsupported("legacy_fusion", off_value(False), "the pre-0.3 fused fp16 optimizer wrapper"),
     ),
     "zero_optimization.offload_optimizer": (
         Unsupported("nvme_path", off_value(None), "NVMe offload, i.e. ZeRO-Infinity"),

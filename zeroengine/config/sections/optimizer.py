@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Dict, Optional, Tuple, Type
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from ..base import ConfigModel, NonNegativeFloat, rule_error
 from ..errors import closest
@@ -36,11 +36,16 @@ _EPS = Field(1e-8, gt=0, description="Term added to the denominator for numerica
 _WEIGHT_DECAY = Field(0.0, description="Weight decay coefficient.")
 _BIAS_CORRECTION = Field(True, description="Accepted for DeepSpeed compatibility; only true (torch's "
                                            "behaviour) is supported.")
+_SET_GRAD_NONE = Field(True, description="FusedAdam's option, accepted for DeepSpeed compatibility; only true "
+                                         "(gradients are released, not zeroed, as torch does) is supported.")
+_FP32_STATES = Field(True, description="DeepSpeed CPU Adam's option, accepted for compatibility; only true "
+                                       "(optimizer states in fp32, zeroengine's only layout) is supported.")
 
 
-def _require_bias_correction(value: Any) -> Any:
+def _require_true(value: Any, info: ValidationInfo) -> Any:
+    # DeepSpeed-only flags whose only supported value is torch's (and DeepSpeed's default) behaviour.
     if value is False:
-        raise ValueError("bias_correction=false is not supported; remove it")
+        raise ValueError(f"{info.field_name}=false is not supported; remove it")
     return value
 
 
@@ -60,8 +65,10 @@ class AdamParams(ConfigModel):
     foreach: Optional[bool] = Field(None, description="torch.optim's foreach implementation (null: torch "
                                                       "decides).")
     bias_correction: bool = _BIAS_CORRECTION
+    set_grad_none: bool = _SET_GRAD_NONE
+    fp32_optimizer_states: bool = _FP32_STATES
 
-    _bias = field_validator("bias_correction", mode="before")(_require_bias_correction)
+    _bias = field_validator("bias_correction", "set_grad_none", "fp32_optimizer_states", mode="before")(_require_true)
 
 
 class AdamWParams(AdamParams):
@@ -99,8 +106,9 @@ class CPUAdamParams(ConfigModel):
                                                "give one of the two.")
     amsgrad: bool = Field(False, description="Accepted for compatibility; only false is supported.")
     bias_correction: bool = _BIAS_CORRECTION
+    fp32_optimizer_states: bool = _FP32_STATES
 
-    _bias = field_validator("bias_correction", mode="before")(_require_bias_correction)
+    _bias = field_validator("bias_correction", "fp32_optimizer_states", mode="before")(_require_true)
 
     @model_validator(mode="after")
     def _supported_combinations(self) -> "CPUAdamParams":

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Type, Union
 
 from pydantic import Field, PlainValidator, field_validator, model_validator
 
-from ..base import ConfigModel, Fraction, NonNegativeFloat, NonNegativeInt, PositiveInt, rule_error
+from ..base import ConfigModel, Fraction, Int, NonNegativeFloat, NonNegativeInt, PositiveInt, rule_error
 from ..errors import closest
 from ..translate import validate_given_keys
 
@@ -34,21 +34,26 @@ _WARMUP_NUM_STEPS = Field(1000, description="Steps of warmup.")
 _WARMUP_TYPE = Field("log", description="Shape of the warmup: 'log' or 'linear'.")
 _TOTAL_NUM_STEPS = Field(description="Total training steps (required; 'auto' cannot be resolved "
                                      "outside a trainer).")
+_LAST_BATCH_ITERATION = Field(-1, ge=-1, description="Optimizer steps already taken minus one, to start the "
+                                                     "schedule part-way (-1: from the start).")
 
 
 class WarmupLRParams(ConfigModel):
     """``WarmupLR``: warm up from warmup_min_lr to warmup_max_lr, then hold."""
 
     warmup_min_lr: PerGroup = Field(0.0, description="Learning rate at the start of warmup.")
-    warmup_max_lr: Optional[PerGroup] = Field(0.001, description="Learning rate at the end of warmup "
-                                                                 "(null: each param group's own lr).")
+    warmup_max_lr: Optional[PerGroup] = Field(None, description="Learning rate at the end of warmup "
+                                                                "(null: each param group's own lr).")
     warmup_num_steps: NonNegativeInt = _WARMUP_NUM_STEPS
     warmup_type: WarmupType = _WARMUP_TYPE
+    last_batch_iteration: Int = _LAST_BATCH_ITERATION
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     """``WarmupDecayLR``: WarmupLR, then linear decay to 0 at total_num_steps."""
 
+    warmup_max_lr: Optional[PerGroup] = Field(0.001, description="Learning rate at the end of warmup "
+                                                                 "(null: each param group's own lr).")
     total_num_steps: PositiveInt = _TOTAL_NUM_STEPS
 
     @model_validator(mode="after")
@@ -65,6 +70,7 @@ class WarmupCosineLRParams(ConfigModel):
     warmup_num_steps: NonNegativeInt = _WARMUP_NUM_STEPS
     cos_min_ratio: Fraction = Field(0.0001, description="Final lr as a fraction of the optimizer's lr.")
     warmup_type: WarmupType = _WARMUP_TYPE
+    last_batch_iteration: Int = _LAST_BATCH_ITERATION
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> "WarmupCosineLRParams":
@@ -89,6 +95,7 @@ class OneCycleParams(ConfigModel):
     cycle_min_mom: PerGroup = Field(0.8, description="Lowest momentum of the cycle.")
     cycle_max_mom: PerGroup = Field(0.9, description="Highest momentum of the cycle.")
     decay_mom_rate: NonNegativeFloat = Field(0.0, description="Momentum decay rate after the cycle.")
+    last_batch_iteration: Int = _LAST_BATCH_ITERATION
 
 
 def _check_warmup_fits(params: ConfigModel) -> None:
