@@ -83,12 +83,13 @@ def test_z_loss_against_hand_computation():
 
 
 @pytest.mark.parametrize("kw", [dict(noisy_gate_policy="Jitter"), dict(noisy_gate_policy="RSample"),
-                                dict(k=2, second_expert_policy="random")])
+                                dict(k=2, second_expert_policy="random"), dict(k=2, second_expert_policy="sample"),
+                                dict(k=1, use_rts=True, capacity_factor=0.5)])
 def test_noisy_routing_is_deterministic_under_a_seed(kw):
     torch.manual_seed(0)
     gate = TopKGate(16, 8, min_capacity=0, **kw)
     # near-ties, so noise changes choices; clear preferences, so 2 * g2 < 1 and random routing matters
-    x = torch.randn(256, 16) * (3.0 if "second_expert_policy" in kw else 0.01)
+    x = torch.randn(256, 16) * (3.0 if "second_expert_policy" in kw or "use_rts" in kw else 0.01)
     runs = []
     for seed in (5, 5, 6):
         torch.manual_seed(seed)
@@ -99,9 +100,10 @@ def test_noisy_routing_is_deterministic_under_a_seed(kw):
     assert any(not torch.equal(a, b) for a, b in zip(runs[0], runs[2]))
     gate.eval()  # no noise in eval: seeds do not matter
     torch.manual_seed(1)
-    first = gate(x).expert_index
+    first = gate(x)
     torch.manual_seed(2)
-    assert torch.equal(first, gate(x).expert_index)
+    second = gate(x)
+    assert torch.equal(first.expert_index, second.expert_index) and torch.equal(first.kept, second.kept)
 
 
 def test_gshard_random_routing_dispatches_second_choice_with_probability_2_g2():
@@ -116,6 +118,84 @@ def test_gshard_random_routing_dispatches_second_choice_with_probability_2_g2():
     # a token without a second expert puts its whole weight on the first
     alone = ~out.routed[:, 1]
     torch.testing.assert_close(out.weights[alone, 0], torch.ones(int(alone.sum())))
+
+
+def _all_prefer_expert_0(tokens):
+    """A 4-expert top-1 gate every one of ``tokens`` tokens sends to expert 0 (logits 1 vs 0)."""
+    gate = _gate(torch.tensor([[1.0], [0.0], [0.0], [0.0]]), k=1, min_capacity=0)
+    return gate, torch.ones(tokens, 1)
+
+
+def test_random_token_selection_keeps_a_uniform_random_subset():
+    """use_rts (DeepSpeed's default for top-1): an overflowing expert keeps `capacity` tokens chosen at
+    random, every position equally likely, instead of the first ones; still exactly `capacity` of them."""
+    tokens, trials = 100, 200
+    gate, x = _all_prefer_expert_0(tokens)
+    gate.capacity_factor = 1.2
+    assert gate.capacity(tokens) == 30
+    plain = gate(x)
+    assert plain.kept[:, 0].tolist() == [True] * 30 + [False] * 70  # token order without RTS
+    gate.use_rts = True
+    torch.manual_seed(0)
+    kept = torch.stack([gate(x).kept[:, 0] for _ in range(trials)]).float()  # [trials, tokens]
+    assert torch.all(kept.sum(1) == 30)
+    per_block = kept.view(trials, 10, 10).mean((0, 2))  # positions 0-9, 10-19, ...: each kept 30% of the time
+    assert torch.all((per_block - 0.3).abs() < 0.05), per_block  # ~5 standard deviations
+    assert torch.all((kept.mean(0) - 0.3).abs() < 0.17)  # every single token too (~5 sd)
+    assert len({tuple(row.tolist()) for row in kept}) == trials  # a different subset every time
+
+
+def test_random_token_selection_keeps_everything_that_fits_and_is_off_in_eval():
+    gate, x = _all_prefer_expert_0(10)
+    gate.use_rts, gate.capacity_factor = True, 4.0  # capacity 10: nothing overflows
+    assert gate(x).kept.all()
+    gate.capacity_factor = 1.0
+    gate.eval()  # evaluation stays deterministic (DeepSpeed draws there too) and draws no random numbers
+    state = torch.get_rng_state()
+    assert gate(x).kept[:, 0].tolist() == [True] * 3 + [False] * 7
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_random_token_selection_is_top1_only():
+    """As in DeepSpeed, top-2 keeps GShard's order: all first choices (token order) before second ones."""
+    gate = _gate(torch.tensor([[1.0], [-1.0]]), k=2, capacity_factor=0.5, min_capacity=0, use_rts=True)
+    x = torch.tensor([[2.0], [1.0], [-1.0], [-2.0]])
+    state = torch.get_rng_state()
+    out = gate(x)
+    assert out.kept[:, 0].all() and not out.kept[:, 1].any()
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_priority_orders_each_choice_rank_in_from_choices():
+    # expert 0, capacity 2: first choices of tokens 0-3, served by descending priority
+    idx = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1]])
+    priority = torch.tensor([[0.1, 0.0], [0.9, 0.0], [0.5, 0.0], [0.7, 0.0]])
+    out = GateOutput.from_choices(idx, torch.ones(4, 2), num_experts=2, capacity=2, priority=priority)
+    assert out.kept[:, 0].tolist() == [False, True, False, True]
+    assert out.kept[:, 1].tolist() == [True, True, False, False]  # second choices keep token order (equal priority)
+
+
+def test_sampled_second_expert_follows_the_softmax_of_the_rest():
+    """second_expert_policy="sample" (DeepSpeed's top2_2nd_expert_sampling): the first choice is the top
+    expert, the second is drawn from softmax(logits) over the other experts; in eval it is the top-2."""
+    logits = torch.tensor([3.0, 1.0, 0.0, -1.0])
+    gate = _gate(logits.unsqueeze(1), k=2, drop_tokens=False, second_expert_policy="sample")
+    x = torch.ones(20000, 1)  # every token has these logits
+    torch.manual_seed(0)
+    out = gate(x)
+    assert torch.all(out.expert_index[:, 0] == 0)
+    drawn = torch.bincount(out.expert_index[:, 1], minlength=4).float() / x.shape[0]
+    expected = torch.cat([torch.zeros(1), torch.softmax(logits[1:], 0)])  # [0, .665, .245, .090]
+    torch.testing.assert_close(drawn, expected, atol=0.015, rtol=0)
+    probs = torch.softmax(logits, 0)
+    second = out.expert_index[:, 1]
+    torch.testing.assert_close(out.weights[:, 1], probs[second] / (probs[0] + probs[second]))
+    gate.eval()
+    assert torch.all(gate(x).expert_index == torch.tensor([0, 1]))
+
+
+def test_deepspeed_none_string_means_no_noise():
+    assert TopKGate(4, 4, noisy_gate_policy="None").noisy_gate_policy is None
 
 
 def test_router_runs_in_fp32_under_bf16():

@@ -107,3 +107,64 @@ def test_init_experts_gives_distinct_reproducible_experts():
     b.init_experts(_init, seed=7)
     wa = [e[0].weight for e in a.local_experts]
     assert not torch.equal(wa[0], wa[1]) and torch.equal(wa[1], b.local_experts[1][0].weight)
+
+
+# -- DeepSpeed's MoE keywords --------------------------------------------------------------------
+
+def test_deepspeed_keywords_are_accepted_by_keyword():
+    moe = MoE(hidden_size=H, expert=_expert(), num_experts=4, ep_size=1, k=2, capacity_factor=1.0,
+              eval_capacity_factor=1.0, min_capacity=4, use_residual=False, noisy_gate_policy=None,
+              drop_tokens=True, use_rts=True, use_tutel=True, enable_expert_tensor_parallelism=False,
+              top2_2nd_expert_sampling=True)
+    assert moe.gate.use_rts and moe.gate.second_expert_policy == "sample" and moe.use_tutel
+    out, _, _ = moe(torch.randn(6, H))
+    assert out.shape == (6, H)
+    plain = MoE(H, _expert(), num_experts=4, k=2)  # zeroengine's defaults: deterministic routing
+    assert not plain.gate.use_rts and plain.gate.second_expert_policy == "all"
+    assert MoE(H, _expert(), num_experts=4, k=2, top2_2nd_expert_sampling=False).gate.second_expert_policy == "all"
+
+
+def test_expert_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        MoE(H, _expert(), num_experts=2, enable_expert_tensor_parallelism=True)
+
+
+@pytest.mark.parametrize("tail", [(False,), (False, None), (True, "Jitter", True), (False, None, True)])
+def test_deepspeed_positional_order_is_caught(tail):
+    """DeepSpeed: (..., min_capacity, use_residual, noisy_gate_policy, drop_tokens)."""
+    with pytest.raises(TypeError, match="by keyword"):
+        MoE(H, _expert(), 2, 1, 1, 1.0, 1.0, 4, *tail)
+
+
+def test_contradicting_second_expert_settings_are_refused():
+    with pytest.raises(ValueError, match="contradicts"):
+        MoE(H, _expert(), num_experts=2, k=2, top2_2nd_expert_sampling=True, second_expert_policy="all")
+
+
+def test_use_rts_with_top2_changes_nothing_as_in_deepspeed():
+    torch.manual_seed(0)
+    a = MoE(H, _expert(), num_experts=2, k=2, capacity_factor=0.5, min_capacity=1, use_rts=True)
+    b = MoE(H, _expert(), num_experts=2, k=2, capacity_factor=0.5, min_capacity=1)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(12, H)
+    state = torch.get_rng_state()
+    torch.testing.assert_close(a(x)[0], b(x)[0])
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("kw", [dict(k=1, use_rts=True), dict(k=2, top2_2nd_expert_sampling=True)])
+def test_random_routing_layers_match_token_by_token_reference(kw):
+    """The layer dispatches whatever the random routing chose (the reference replays it under the same seed)."""
+    torch.manual_seed(0)
+    moe = MoE(H, _expert(), num_experts=4, capacity_factor=0.75, min_capacity=1, **kw)
+    moe.init_experts(_init, seed=3)
+    x = torch.randn(30, H)
+    torch.manual_seed(11)
+    out, _, _ = moe(x)
+    torch.manual_seed(11)
+    ref, routing = _token_by_token(moe, x)
+    assert routing.num_dropped > 0
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(12)
+    assert not torch.equal(moe.gate(x).kept, routing.kept) or not torch.equal(
+        moe.gate(x).expert_index, routing.expert_index)

@@ -10,8 +10,11 @@ Note: capacity and priority. With ``drop_tokens`` each expert takes at most
 assignments (``eval_capacity_factor`` in eval mode), counted over this rank's
 tokens. Assignments queue choice-major: every token's first choice, in token
 order, before any second choice (GShard), so a second choice is dropped before
-any first choice. Without ``drop_tokens`` (dropless) nothing is dropped and
-expert batches vary in size.
+any first choice. With ``use_rts`` (Random Token Selection, top-1 in training,
+as DeepSpeed's) a random priority replaces token order: an overflowing expert
+keeps a uniformly random subset of its tokens instead of the earliest ones, so
+the end of a batch is not the part that is always dropped. Without
+``drop_tokens`` (dropless) nothing is dropped and expert batches vary in size.
 
 Note: routing arithmetic. Logits, softmax, noise, the auxiliary losses and the
 combine weights are computed in fp32 whatever the model's dtype (bf16/fp16
@@ -27,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
-SECOND_EXPERT_POLICIES = ("all", "random")
+NOISY_GATE_POLICIES = (None, "Jitter", "RSample")  # DeepSpeed's string "None" is read as None
+SECOND_EXPERT_POLICIES = ("all", "random", "sample")
 JITTER_EPS = 1e-2
 
 
@@ -47,7 +50,8 @@ class GateOutput:
     whether it survived capacity; ``exp_counts [E]`` routed assignments per
     expert (before capacity); ``kept_counts [E]`` assignments each expert
     serves; ``order`` a stable sort of the choice-major flattened assignments
-    by expert (kept ones first within an expert), reused by the dispatcher.
+    by expert, reused by the dispatcher (which takes the kept ones from it, so
+    each expert sees its kept rows in token order whatever chose them).
     """
 
     expert_index: torch.Tensor
@@ -68,10 +72,12 @@ class GateOutput:
     @classmethod
     def from_choices(cls, expert_index: torch.Tensor, weights: torch.Tensor, num_experts: int,
                      capacity: int | None = None, l_aux: torch.Tensor | None = None,
-                     routed: torch.Tensor | None = None) -> "GateOutput":
+                     routed: torch.Tensor | None = None, priority: torch.Tensor | None = None) -> "GateOutput":
         """Positions, capacity drops and counts for given choices (Note: capacity and priority).
 
-        Weights of dropped or unrouted assignments are zeroed; nothing is renormalised.
+        ``priority [S, k]`` (optional): within each choice rank, assignments with a higher priority
+        are served first (default: token order). Weights of dropped or unrouted assignments are
+        zeroed; nothing is renormalised.
         """
         tokens, k = expert_index.shape
         if routed is None:
@@ -84,11 +90,13 @@ class GateOutput:
             kept_flat = flat < num_experts
             kept_counts = exp_counts
         else:
+            # The queue each expert serves: `order` itself, or by priority within each choice rank.
+            serve = order if priority is None else _priority_queue(flat, priority)
             starts = torch.cumsum(exp_counts, 0) - exp_counts
-            sorted_expert = flat[order]
+            sorted_expert = flat[serve]
             pos_sorted = torch.arange(flat.numel(), device=flat.device) - F.pad(starts, (0, 1))[sorted_expert]
             position = torch.empty_like(pos_sorted)
-            position[order] = pos_sorted
+            position[serve] = pos_sorted
             kept_flat = (flat < num_experts) & (position < capacity)
             kept_counts = exp_counts.clamp(max=capacity)
         kept = kept_flat.view(k, tokens).t()
@@ -97,6 +105,15 @@ class GateOutput:
             l_aux = torch.zeros((), device=expert_index.device)
         return cls(expert_index, weights, routed, kept, l_aux, exp_counts.detach(), kept_counts.detach(), order,
                    capacity)
+
+
+def _priority_queue(flat: torch.Tensor, priority: torch.Tensor) -> torch.Tensor:
+    """Choice-major flat assignments sorted by expert, each expert's in serving order: choice rank
+    first (every first choice before any second), then descending ``priority [S, k]``."""
+    tokens, k = priority.shape
+    within = torch.argsort(priority.t().float(), dim=1, descending=True, stable=True)  # [k, S] token ids
+    queue = (within + torch.arange(k, device=flat.device).unsqueeze(1) * tokens).reshape(-1)
+    return queue[torch.argsort(flat[queue], stable=True)]
 
 
 def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -117,17 +134,24 @@ class TopKGate(nn.Module):
     ``noisy_gate_policy``: ``"Jitter"`` multiplies the router input by
     U(1-eps, 1+eps) noise, ``"RSample"`` adds Gumbel noise to the logits used to
     *choose* experts (the combine weights stay the noiseless softmax); both only
-    in training. ``second_expert_policy="random"`` (k = 2) is GShard's random
-    routing: the second choice is dispatched with probability
-    ``min(1, 2 * g2 / (g1 + g2))``. For k >= 2 the combine weights are the
-    chosen probabilities renormalised over the assignments that were kept.
-    ``l_aux`` = load-balancing loss + ``z_loss_coef`` * router z-loss.
+    in training. ``second_expert_policy`` (k >= 2, training only): ``"all"``
+    takes the top-k; ``"random"`` is GShard's random routing (k = 2): the second
+    choice is dispatched with probability ``min(1, 2 * g2 / (g1 + g2))``;
+    ``"sample"`` is DeepSpeed's ``top2_2nd_expert_sampling``: the choices after
+    the first are drawn from the router's softmax over the remaining experts
+    (Gumbel-max on the logits). For k >= 2 the combine weights are the chosen
+    probabilities renormalised over the assignments that were kept.
+    ``use_rts`` (k = 1, training, with capacity): Random Token Selection, see
+    the module note. ``l_aux`` = load-balancing loss + ``z_loss_coef`` * router z-loss.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 4, noisy_gate_policy: str | None = None,
-                 drop_tokens: bool = True, second_expert_policy: str = "all", z_loss_coef: float = 0.0):
+                 drop_tokens: bool = True, second_expert_policy: str = "all", z_loss_coef: float = 0.0,
+                 use_rts: bool = False):
         super().__init__()
+        if noisy_gate_policy == "None":
+            noisy_gate_policy = None
         if not 1 <= k <= num_experts:
             raise ValueError(f"k ({k}) must be between 1 and num_experts ({num_experts})")
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
@@ -144,6 +168,7 @@ class TopKGate(nn.Module):
         self.drop_tokens = drop_tokens
         self.second_expert_policy = second_expert_policy
         self.z_loss_coef = z_loss_coef
+        self.use_rts = use_rts
 
     def capacity(self, tokens: int) -> int | None:
         if not self.drop_tokens:
@@ -161,7 +186,10 @@ class TopKGate(nn.Module):
         if self.training and self.noisy_gate_policy == "RSample":
             gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0 - 1e-7)))
             select = logits + gumbel
-        expert_index = torch.topk(select, self.k, dim=-1).indices
+        if self.k > 1 and self.second_expert_policy == "sample" and self.training:
+            expert_index = _sample_after_first(select, logits, self.k)
+        else:
+            expert_index = torch.topk(select, self.k, dim=-1).indices
         chosen = probs.gather(1, expert_index)
         routed = None
         if self.k == 2 and self.second_expert_policy == "random" and self.training:
@@ -171,9 +199,21 @@ class TopKGate(nn.Module):
         l_aux = load_balancing_loss(probs, expert_index[:, 0], self.num_experts)
         if self.z_loss_coef:
             l_aux = l_aux + self.z_loss_coef * router_z_loss(logits)
-        out = GateOutput.from_choices(expert_index, chosen, self.num_experts, self.capacity(x.shape[0]), l_aux,
-                                      routed)
+        capacity = self.capacity(x.shape[0])
+        priority = None
+        if self.use_rts and self.k == 1 and self.training and capacity is not None:
+            priority = torch.rand(expert_index.shape, device=logits.device)
+        out = GateOutput.from_choices(expert_index, chosen, self.num_experts, capacity, l_aux, routed, priority)
         if self.k > 1:
             # Renormalise over what was kept: a token whose first choice overflowed leans on its second.
             out.weights = out.weights / out.weights.sum(1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
         return out
+
+
+def _sample_after_first(select: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:
+    """First choice: the top of ``select``; the other k-1: drawn without replacement from the softmax of
+    ``logits`` over the remaining experts (Gumbel-top-k)."""
+    first = select.argmax(dim=-1, keepdim=True)
+    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0 - 1e-7)))
+    rest = (logits + gumbel).scatter(1, first, float("-inf"))
+    return torch.cat([first, torch.topk(rest, k - 1, dim=-1).indices], dim=1)
