@@ -44,7 +44,10 @@ clipping) on 2 CPU ranks over gloo, one torch thread per rank.
   bytes are analytic (all-gather in forward and again in backward, one
   reduce-scatter: 3·4Ψ(N-1)/N wire). Step ratios to FSDP2 are taken per
   round like those to DDP. ``ze-s3+init`` is stage 3 with the model built
-  under ``zeroengine.zero.Init`` (no rank ever holds the whole model).
+  under ``zeroengine.zero.Init`` (no rank ever holds the whole model);
+  ``ze-s3-lowmem`` is stage 3 giving freed memory back to the OS
+  (``ZEROENGINE_MALLOC_MMAP_THRESHOLD=1048576``, see
+  zeroengine/zero/host_memory.py): what that costs in step time and saves in RSS.
   Before that baseline each rank trains a throwaway 0.1M-param GPT with the
   same variant for two steps, so the costs of a first run that do not depend
   on the model (modules imported on first use, libtorch code pages, threads,
@@ -120,6 +123,9 @@ def build_variants(args) -> tuple[list[Variant], dict[str, str]]:
                 Variant("ze-s2", "zeroengine", 2, bucket, overlap_comm=True),
                 Variant("ze-s3", "zeroengine", 3, bucket, overlap_comm=True),
                 Variant("ze-s3+init", "zeroengine", 3, bucket, overlap_comm=True, zero_init=True),
+                # stage 3 giving freed memory back to the OS (zeroengine/zero/host_memory.py)
+                Variant("ze-s3-lowmem", "zeroengine", 3, bucket, overlap_comm=True,
+                        env=(("ZEROENGINE_MALLOC_MMAP_THRESHOLD", str(1 << 20)),)),
                 Variant("fsdp2", "fsdp2")]
     extra_buckets = args.s2_buckets if args.s2_buckets is not None else ("" if args.quick else "5e7")
     for extra in filter(None, extra_buckets.split(",")):

@@ -51,6 +51,7 @@ class Variant:
     reduce_bucket_size: int = 50_000_000
     overlap_comm: bool = False
     zero_init: bool = False  # build the model under zeroengine.zero.Init (stage 3)
+    env: tuple[tuple[str, str], ...] = ()  # environment set in the ranks before anything runs
 
 
 @dataclass(frozen=True)
@@ -452,6 +453,7 @@ def _prewarm(variant: Variant, spec: RunSpec, rank: int) -> None:
 
 def _setup(variant: Variant, spec: RunSpec, rank: int, port: int) -> dict:
     """Everything up to ``ready``: world, prewarm, model, wrapper, warm-up; RSS read at each stage."""
+    os.environ.update(dict(variant.env))
     _init_world(rank, spec.world_size, port, variant)
     _import_variant_library(variant)
     batches = make_batches(spec, rank)

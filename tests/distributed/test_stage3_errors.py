@@ -1,6 +1,11 @@
 """Stage 3 misuse fails loudly and says what to do: a partitioned parameter used outside the engine, and
-ranks that run different modules (with comm_debug: named, within the check's timeout)."""
+ranks that run different modules (named by every rank, with or without comm_debug; a rank that leaves the
+pass early is reported within the check's deadline instead of hanging)."""
+import os
+import time
 from datetime import timedelta
+
+import pytest
 
 import torch
 import torch.nn as nn
@@ -11,6 +16,7 @@ from parity import base_config, make_model
 from zeroengine import comm
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters, PartitionedParameterError
+from zeroengine.zero.gather_order import Stage3DivergenceError
 
 
 def _raises(fn) -> str:
@@ -91,3 +97,61 @@ def test_a_module_skipped_on_one_rank_is_named_instead_of_hanging():
         assert "module sometimes (forward)" in message, message
         assert "module out (forward)" in message, message
         assert "rank 0" in message and "rank 1" in message
+
+
+# -- the same without comm_debug: stage 3 checks its own gathers -----------------------------------------
+
+def _diverge_plain(rank, world, skipper):
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=base_config(2, 1, world, 0.0, stage=3))
+    try:
+        loss = engine(torch.randn(2, 8), skip=rank == skipper)
+        engine.backward(loss)
+    except Stage3DivergenceError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_module_skipped_on_one_rank_is_named_by_every_rank_without_comm_debug(world):
+    skipper = world - 1
+    messages = run_distributed(_diverge_plain, world, skipper, timeout_s=120)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank}: ranks diverged at stage-3 parameter gather"), message
+        for other in range(world):
+            expected = "module out (forward)" if other == skipper else "module sometimes (forward)"
+            line = message.split(f"\n  rank {other}: ")[1].split("\n")[0]
+            assert line.startswith("bucket") and expected in line, (other, line)
+
+
+class StopsEarly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, stop: bool):
+        h = torch.tanh(self.inp(x))
+        return h.pow(2).mean() if stop else F.mse_loss(self.out(h), torch.zeros(x.shape[0], 4))
+
+
+def _stop_early(rank, world):
+    os.environ["ZEROENGINE_HANDSHAKE_TIMEOUT"] = "5"  # the check's deadline (read when the engine is built)
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroengine.initialize(model=StopsEarly(), config=base_config(2, 1, world, 0.0, stage=3))
+    start = time.monotonic()
+    try:
+        loss = engine(torch.randn(2, 8), stop=rank == 1)  # rank 1 never runs `out` ...
+        if rank == 1:
+            comm.barrier()  # ... and runs a collective of its own instead of stage 3's next gather
+        engine.backward(loss)
+    except Exception as exc:  # rank 1 fails in its barrier once rank 0 has given up and gone
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "", "", time.monotonic() - start
+
+
+def test_a_rank_running_other_collectives_is_reported_within_the_deadline_not_hung():
+    name, message, seconds = run_distributed(_stop_early, 2, timeout_s=120)[0]
+    assert name == "Stage3DivergenceError", (name, message)
+    assert "gather #" in message and "module out (forward)" in message and "was not joined by every rank" in message
+    assert seconds < 60, seconds

@@ -8,6 +8,7 @@ from .backend import (
     get_rank_in,
     get_world_size,
     init_distributed,
+    sequence_check_active,
     sequence_check_requested,
     shutdown,
 )
@@ -20,6 +21,7 @@ from .collectives import (
     barrier,
     broadcast,
     collective_context,
+    control_all_gather,
     reduce_scatter,
 )
 from .counters import CommCounters, counters, ring_wire_bytes
@@ -27,9 +29,9 @@ from .handshake import HandshakeTimeout, handshakes
 from .sequence_check import CollectiveMismatchError
 
 __all__ = [
-    "all_gather", "all_reduce", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
+    "all_gather", "all_reduce", "control_all_gather", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
     "collective_context", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
     "device_for_backend", "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in",
     "get_world_size", "handshakes", "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp",
-    "ring_wire_bytes", "sequence_check_requested", "shutdown"
+    "ring_wire_bytes", "sequence_check_active", "sequence_check_requested", "shutdown"
 ]

@@ -107,6 +107,11 @@ def sequence_check_requested() -> bool:
     return os.environ.get("ZEROENGINE_COMM_DEBUG", "0") not in ("", "0", "false", "False")
 
 
+def sequence_check_active() -> bool:
+    """Whether every collective is being checked right now (comm_debug)."""
+    return state.checker is not None
+
+
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .backend import state
 from .counters import counters, ring_wire_bytes
+from .scratch import scratch
 from .sequence_check import Fingerprint, caller_site
 
 ReduceOp = dist.ReduceOp
@@ -108,9 +109,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
     if op != ReduceOp.SUM or not _use_all_to_all(group):
         return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
     world = dist.get_world_size(group)
-    received = torch.empty_like(input)
+    received = scratch.take(input.numel(), input.dtype, input.device).view(input.shape)
+
+    def finish():
+        torch.sum(received.view(world, -1), dim=0, out=output)
+        scratch.give_back(received)
+
     work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
-    handle = _AfterWait(work, lambda: torch.sum(received.view(world, -1), dim=0, out=output))
+    handle = _AfterWait(work, finish)
     if async_op:
         return handle
     handle.wait()
@@ -123,8 +129,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     if not _use_all_to_all(group):
         return _all_gather_flat(output, input, group=group, async_op=async_op)
     world = dist.get_world_size(group)
-    copies = input.reshape(1, -1).expand(world, -1).contiguous()
-    return dist.all_to_all_single(output, copies, group=group, async_op=async_op)
+    copies = scratch.take(world * input.numel(), input.dtype, input.device)
+    copies.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
+    work = dist.all_to_all_single(output, copies, group=group, async_op=async_op)
+    handle = _AfterWait(work, lambda: scratch.give_back(copies))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -155,3 +167,10 @@ def all_reduce_scalar(value: float, op=ReduceOp.SUM, group=None) -> float:
                      device=device_for_backend())
     all_reduce(t, op=op, group=group)
     return t.item()
+
+
+def control_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """A tiny synchronous all-gather of bookkeeping (e.g. which stage-3 bucket each rank is about to
+    gather), counted as ``control`` so the data volumes the ZeRO formulas speak of stay exact."""
+    _before("control", input, group, _nbytes(output))
+    _all_gather_flat(output, input, group=group)

@@ -19,6 +19,8 @@ from .flat_params import FlatParamBuffer
 from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
 from .layout import build_layout
 from .moe_split import ExpertDataParallelOptimizer, build_sharded_with_experts, split_domains
+from . import gather_order, host_memory
+from .gather_order import GatherOrderCheck
 from .gathered import register_partitioned
 from .init import InitReshard, is_init_partitioned
 from .optimizer import ZeroOptimizer
@@ -127,6 +129,8 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     trainable, frozen = split_params(module, set(group_of), int(zero_config.stage3_param_persistence_threshold))
     rank, world = comm.get_rank(), comm.get_world_size()
     bucket_numel = int(zero_config.reduce_bucket_size)
+    if comm.device_for_backend().type == "cpu":  # opt-in: freed memory back to the OS (see host_memory)
+        host_memory.map_large_allocations()
     # Parameters built under zero.Init arrive as per-parameter slices: re-cut into the bucket layout.
     reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.mixed)
     stats = FetchStats()  # shared by the trainable and frozen buffers
@@ -145,6 +149,8 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     if policy.mixed:
         fp32_values = reshard.fp32_values()[:len(trainable.params)]
     frozen_buffer = buffer_of(frozen, len(trainable.params)) if frozen.params else None
+    if world > 1 and gather_order.enabled():
+        _check_gather_order([buffer, frozen_buffer])
     reshard.release_init_shards()
     _cast_floating_buffers(module, policy.param_dtype)
     units = [Unit(buffer, b, True) for b in buffer.layout.buckets]
@@ -164,6 +170,15 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
             for slot in bucket.slots:
                 register_partitioned(frozen_buffer.params[slot.index], frozen_buffer, bucket.index, None, slot.index)
     return sharded
+
+
+def _check_gather_order(buffers) -> None:
+    names = {tag: [[b_.names[s.index] for s in bucket.slots] for bucket in b_.layout.buckets]
+             for tag, b_ in enumerate(buffers) if b_ is not None}
+    check = GatherOrderCheck(names)
+    for tag, b_ in enumerate(buffers):
+        if b_ is not None:
+            b_.order_check, b_.order_tag = check, tag
 
 
 def _shifted(bucket, offset: int):

@@ -28,7 +28,9 @@ it were ever reused. So each bucket keeps one full-size tensor for the
 buffer's lifetime (as torch FSDP2 does): release resizes its storage to 0
 bytes (the memory is freed, views become empty), and the next gather resizes
 it back and all-gathers into the same storage, so every view saved in forward
-sees the values again in backward.
+sees the values again in backward. With ``ZEROENGINE_MALLOC_MMAP_THRESHOLD``
+set, on CPU the storage keeps its memory and a release hands its pages back
+to the OS instead (see :mod:`zeroengine.zero.host_memory`).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 
 from zeroengine import comm
 
+from . import host_memory
 from .flat_params import ParamBuffer, gather_chunk
 from .layout import Bucket, FlatLayout
 from .param_guard import full_shape, mark_gathered, mark_partitioned
@@ -68,6 +71,9 @@ class FetchStats:
 
 
 class PartitionedParamBuffer(ParamBuffer):
+    order_check = None  # a GatherOrderCheck shared by the model's buffers, set once they all exist
+    order_tag = 0  # this buffer's number in the check (0 trainable, 1 frozen)
+
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None, names: list[str] | None = None, persistent: frozenset[int] = frozenset(),
                  chunk_source=None, stats: FetchStats | None = None, offload=None):
@@ -100,6 +106,7 @@ class PartitionedParamBuffer(ParamBuffer):
         self._storage: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._pending: list[object | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
+        self._release_pages = host_memory.return_freed_memory() and host_memory.can_drop_pages(self._empty)
         for bucket in layout.buckets:
             self._point_at_nothing(bucket)
         for bucket in layout.buckets:
@@ -121,6 +128,8 @@ class PartitionedParamBuffer(ParamBuffer):
 
     # -- gather / release -------------------------------------------------------
     def _launch(self, bucket: Bucket, label: str, async_op: bool):
+        if self.order_check is not None:  # every rank gathers this bucket now, or all raise (see gather_order)
+            self.order_check.verify(self.order_tag, bucket, label)
         full = self._storage[bucket.index]
         if full is None:
             full = self._storage[bucket.index] = torch.empty(bucket.padded_numel, dtype=self.dtype,
@@ -182,7 +191,10 @@ class PartitionedParamBuffer(ParamBuffer):
             self._pending[bucket.index].wait()
             self._pending[bucket.index] = None
         self.full[bucket.index] = None
-        self._storage[bucket.index].untyped_storage().resize_(0)
+        if self._release_pages:
+            host_memory.drop_pages(self._storage[bucket.index])
+        else:
+            self._storage[bucket.index].untyped_storage().resize_(0)
         if bucket.index not in self.persistent:
             self.stats.live_numel -= bucket.padded_numel
         self._point_at_nothing(bucket)
