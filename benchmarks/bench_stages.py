@@ -47,7 +47,10 @@ clipping) on 2 CPU ranks over gloo, one torch thread per rank.
   under ``zeroengine.zero.Init`` (no rank ever holds the whole model);
   ``ze-s3-lowmem`` is stage 3 giving freed memory back to the OS
   (``ZEROENGINE_MALLOC_MMAP_THRESHOLD=1048576``, see
-  zeroengine/zero/host_memory.py): what that costs in step time and saves in RSS.
+  zeroengine/zero/host_memory.py): what that costs in step time and saves in RSS;
+  ``ze-s3-unchecked`` turns off the check that every rank gathers the same
+  bucket (``ZEROENGINE_STAGE3_ORDER_CHECK=0``, zeroengine/zero/gather_order.py):
+  what that safety costs.
   Before that baseline each rank trains a throwaway 0.1M-param GPT with the
   same variant for two steps, so the costs of a first run that do not depend
   on the model (modules imported on first use, libtorch code pages, threads,
@@ -123,6 +126,9 @@ def build_variants(args) -> tuple[list[Variant], dict[str, str]]:
                 Variant("ze-s2", "zeroengine", 2, bucket, overlap_comm=True),
                 Variant("ze-s3", "zeroengine", 3, bucket, overlap_comm=True),
                 Variant("ze-s3+init", "zeroengine", 3, bucket, overlap_comm=True, zero_init=True),
+                # stage 3 without the per-gather bucket agreement check (zeroengine/zero/gather_order.py)
+                Variant("ze-s3-unchecked", "zeroengine", 3, bucket, overlap_comm=True,
+                        env=(("ZEROENGINE_STAGE3_ORDER_CHECK", "0"),)),
                 # stage 3 giving freed memory back to the OS (zeroengine/zero/host_memory.py)
                 Variant("ze-s3-lowmem", "zeroengine", 3, bucket, overlap_comm=True,
                         env=(("ZEROENGINE_MALLOC_MMAP_THRESHOLD", str(1 << 20)),)),
