@@ -272,7 +272,7 @@ def test_log_level_is_honoured_by_initialize():
         load_config({**BASE, "log_level": "verbose"})
     assert info.value.key_path == "log_level"
     logger = logging.getLogger("zeroengine")
-    before = logger.level
+    before = logger.level, [(handler, handler.level) for handler in logger.handlers]
     try:
         model = torch.nn.Linear(2, 2)
         zeroengine.initialize(model=model, model_parameters=model.parameters(),
@@ -280,7 +280,9 @@ def test_log_level_is_honoured_by_initialize():
         assert logger.level == logging.ERROR
         assert not logging.getLogger("zeroengine.optim.factory").isEnabledFor(logging.WARNING)
     finally:
-        logger.setLevel(before)
+        logger.setLevel(before[0])
+        for handler, level in before[1]:
+            handler.setLevel(level)
 
 
 def test_deepspeed_adam_flags_load_at_their_defaults_and_build():
