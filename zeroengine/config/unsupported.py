@@ -148,6 +148,10 @@ _COMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activ
                  "keep_all_input_tensors", "passes")
 
 
+def _is_whole_or_null(value: Any) -> bool:
+    return value is None or (_is_number(value) and value >= 0 and float(value).is_integer())
+
+
 def _pipeline_is_default(value: Any) -> bool:
     return _has_only(value, tuple(_PIPELINE_DEFAULTS)) and all(
         v is None or _is_one_of(v, (_PIPELINE_DEFAULTS[k],)) for k, v in value.items())
@@ -246,7 +250,7 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
                     "DeepSpeed's default layout (expert-parallel groups of consecutive ranks)"),
         Unsupported("vocabulary_size", checked("set it to a whole number or null",
                                                "a whole number or null (no effect on results)",
-                                               lambda v: v is None or (_is_number(v) and v >= 0 and float(v).is_integer())),
+                                               _is_whole_or_null),
                     "the vocabulary size, which DeepSpeed only checks for tensor-core alignment (a warning)"),
         Unsupported("wandb", ENABLED_FALSE, "Weights & Biases logging"),
         Unsupported("weight_quantization", checked("set enabled=false",
