@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from zeroengine import comm
-from zeroengine.ops.moe_dispatch import permute_tokens, unpermute_combine
+from zeroengine.ops.moe_dispatch import (permute_tokens, permute_tokens_split, unpermute_combine,
+                                         unpermute_combine_segments)
 
-from .experts import run_experts
+from .experts import run_experts, runs_per_module
 from .gate import GateOutput
 from .groups import ExpertGroups
 
@@ -38,6 +39,8 @@ class DispatchPlan:
 
     @classmethod
     def from_gate(cls, gate: GateOutput) -> "DispatchPlan":
+        if getattr(gate, "rows", None) is not None:  # the fused gate built the maps (moe/fused_gate.py)
+            return cls(gate.index, gate.rows, gate.weights, gate.kept_counts.tolist())
         tokens, k = gate.expert_index.shape
         kept_flat = gate.kept.t().reshape(-1)
         # gate.order sorts assignments by expert with the kept ones first in each expert.
@@ -52,6 +55,10 @@ class LocalDispatch:
     """Every expert on this rank (``ep_size == 1``)."""
 
     def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts, impl: str = "auto") -> torch.Tensor:
+        if runs_per_module(experts):  # one input and one output tensor per expert: nothing concatenated
+            chunks = permute_tokens_split(x, plan.index, plan.rows, plan.counts, impl=impl)
+            ys = [expert(chunk) for expert, chunk in zip(experts, chunks)]
+            return unpermute_combine_segments(ys, plan.rows, plan.weights, covers_all=True, impl=impl)
         permuted = permute_tokens(x, plan.index, plan.rows, impl=impl)
         y = run_experts(experts, permuted, plan.counts)
         return unpermute_combine(y, plan.rows, plan.weights, covers_all=True, impl=impl)

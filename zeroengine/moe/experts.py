@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .grouped import GroupedMLPExperts, _has_hooks, grouped_mlp_modules, mlp_spec
+from .grouped_cpu import GradWorkspace
 from .params import tag_expert_params
 
 LAYOUTS = ("modules", "stacked")
@@ -29,6 +30,7 @@ class ExpertList(nn.ModuleList):
         super().__init__(modules)
         self.grouped = grouped
         self.spec = mlp_spec(self[0]) if len(self) else None
+        self.grad_workspace = GradWorkspace()  # CPU grouped path (see grouped_cpu.py)
         if grouped == "on" and self.spec is None:
             raise ValueError('grouped="on" needs an nn.Sequential(nn.Linear, activation, nn.Linear) expert')
 
@@ -76,6 +78,13 @@ def init_experts(experts: nn.Module, global_ids: Sequence[int], init_fn: Callabl
                 init_fn(experts[i])
 
 
+def runs_per_module(experts: nn.Module) -> bool:
+    """Whether :func:`run_experts` would call each of several experts on its own slice (not grouped GEMMs)."""
+    if isinstance(experts, GroupedMLPExperts) or len(experts) < 2:
+        return False
+    return not (isinstance(experts, ExpertList) and experts.use_grouped())
+
+
 def run_experts(experts: nn.Module, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
     """``x`` holds ``counts[i]`` consecutive rows for expert i; returns their outputs in the same order.
 
@@ -85,7 +94,7 @@ def run_experts(experts: nn.Module, x: torch.Tensor, counts: Sequence[int]) -> t
     if isinstance(experts, GroupedMLPExperts):
         return experts(x, counts)
     if isinstance(experts, ExpertList) and experts.use_grouped():
-        return grouped_mlp_modules(experts, x, counts, experts.spec)
+        return grouped_mlp_modules(experts, x, counts, experts.spec, experts.grad_workspace)
     if len(experts) == 1:  # one expert per rank (ep_size == num_experts): no split / concatenate copies
         return experts[0](x)
     chunks = x.split(list(counts))

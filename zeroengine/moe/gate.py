@@ -181,11 +181,17 @@ class TopKGate(nn.Module):
         if self.training and self.noisy_gate_policy == "Jitter":
             x = x * torch.empty_like(x).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
         logits = F.linear(x, self.wg.weight.float())
-        probs = F.softmax(logits, dim=-1)
         select = logits
         if self.training and self.noisy_gate_policy == "RSample":
             gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0 - 1e-7)))
             select = logits + gumbel
+        if logits.device.type == "cpu":  # everything below in one C++ pass where it applies
+            from .fused_gate import route_fused  # (fused_gate imports this module)
+
+            fused = route_fused(self, logits, select, self.capacity(x.shape[0]))
+            if fused is not None:
+                return fused
+        probs = F.softmax(logits, dim=-1)
         if self.k > 1 and self.second_expert_policy == "sample" and self.training:
             expert_index = _sample_after_first(select, logits, self.k)
         else:

@@ -18,6 +18,9 @@ dtype; elsewhere (CPU, or a dtype it refuses) the rows are padded to the largest
 expert batch and run as one ``bmm`` per layer (no padding when the batches are
 equal, e.g. full capacity). Padded rows are zeros in and are dropped on the way
 out, so their gradient is zero and they add nothing to the weight gradients.
+On CPU neither is used: :mod:`zeroengine.moe.grouped_cpu` runs exact-size per-expert
+GEMMs into views of one output, on the experts' own weights (no stacking copy), and
+reuses the weight-gradient buffers (Note: CPU expert cost there).
 Measured in benchmarks/bench_moe.py and docs/moe.md.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .grouped_cpu import GradWorkspace, expert_mlp
 from .params import tag_stacked_expert_params
 
 # Elementwise activations the grouped path may apply to [E, rows, ffn] as well as to [rows, ffn].
@@ -121,12 +125,16 @@ class _Rows:
 
 
 def grouped_mlp(x: torch.Tensor, counts: Sequence[int], w1: torch.Tensor, b1: torch.Tensor | None,
-                act: nn.Module, w2: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor:
+                act: nn.Module, w2: torch.Tensor, b2: torch.Tensor | None,
+                workspace: GradWorkspace | None = None) -> torch.Tensor:
     """Expert i's MLP on the ``counts[i]`` consecutive rows of ``x`` that are its batch, all experts at once.
 
     ``w1 [E, ffn, hidden]``, ``b1 [E, ffn]``, ``w2 [E, out, ffn]``, ``b2 [E, out]`` (nn.Linear's layout,
-    stacked); returns ``[rows, out]`` in the order of ``x`` (Note: grouped kernels).
+    stacked); returns ``[rows, out]`` in the order of ``x`` (Note: grouped kernels). ``workspace``
+    keeps CPU weight-gradient buffers across calls (a fresh one when None).
     """
+    if x.device.type == "cpu":
+        return expert_mlp(x, counts, w1, b1, act, w2, b2, workspace or GradWorkspace())
     rows = _Rows(counts, x.device)
     w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)  # [E, in, out] views, no copy
     # No rows at all: the bmm path on [E, 0, in] still gives every parameter (and x) a zero gradient.
@@ -155,8 +163,14 @@ def grouped_mlp(x: torch.Tensor, counts: Sequence[int], w1: torch.Tensor, b1: to
 
 
 def grouped_mlp_modules(experts: Sequence[nn.Sequential], x: torch.Tensor, counts: Sequence[int],
-                        spec: MLPSpec) -> torch.Tensor:
-    """:func:`grouped_mlp` over per-expert modules, their weights stacked on the fly."""
+                        spec: MLPSpec, workspace: GradWorkspace | None = None) -> torch.Tensor:
+    """:func:`grouped_mlp` over per-expert modules: on CPU on their own weights, elsewhere on
+    weights stacked on the fly."""
+    if x.device.type == "cpu":
+        return expert_mlp(x, counts, [e[0].weight for e in experts],
+                          [e[0].bias for e in experts] if spec.bias1 else None, experts[0][1],
+                          [e[2].weight for e in experts], [e[2].bias for e in experts] if spec.bias2 else None,
+                          workspace or GradWorkspace())
     w1 = torch.stack([e[0].weight for e in experts])
     w2 = torch.stack([e[2].weight for e in experts])
     b1 = torch.stack([e[0].bias for e in experts]) if spec.bias1 else None
@@ -191,12 +205,13 @@ class GroupedMLPExperts(nn.Module):
         self.activation = copy.deepcopy(act)
         self.w2, self.b2 = stacked(l2.weight), stacked(l2.bias)
         tag_stacked_expert_params(self, ep_size, self.global_ids[0], self.num)
+        self.grad_workspace = GradWorkspace()
 
     def __len__(self) -> int:
         return self.num
 
     def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        return grouped_mlp(x, counts, self.w1, self.b1, self.activation, self.w2, self.b2)
+        return grouped_mlp(x, counts, self.w1, self.b1, self.activation, self.w2, self.b2, self.grad_workspace)
 
     def expert_module(self, i: int) -> nn.Sequential:
         m = copy.deepcopy(self._template[0]).to(device=self.w1.device, dtype=self.w1.dtype)

@@ -10,6 +10,10 @@ of ops/csrc/moe/ when those build:
 * ``unpermute_combine(y, rows, weights)``: ``out[t] = sum_j weights[t, j] * y[rows[t, j]]``,
   skipping ``rows[t, j] < 0`` (a dropped token). Each row of ``y`` must be named
   at most once. Gradients reach ``y`` and ``weights``.
+* ``permute_tokens_split`` / ``unpermute_combine_segments``: the same with the permuted rows
+  as one tensor per expert (``counts[e]`` rows each), for experts run one module at a time:
+  the experts' inputs come out separate and their outputs go in separate, so neither the
+  forward nor the backward concatenates (each concatenation was a full copy of the rows).
 
 Accumulation is in fp32 (fp64 for double) whatever the storage dtype, and
 ``weights`` are fp32 (a router computes in fp32 under bf16/fp16).
@@ -24,7 +28,7 @@ import torch
 from zeroengine.ops.builder import load_kernel
 from zeroengine.ops.op_builders import MoEDispatchBuilder, MoEDispatchCUDABuilder
 
-__all__ = ["backend", "combine_rows_backward_reference", "combine_rows_reference", "gather_rows_reference",
+__all__ = ["backend", "cpu_kernel", "permute_tokens_split", "unpermute_combine_segments", "combine_rows_backward_reference", "combine_rows_reference", "gather_rows_reference",
            "permute_tokens", "unpermute_combine"]
 
 _IMPLS = ("auto", "kernel", "torch")
@@ -82,6 +86,16 @@ def _kernel(t: torch.Tensor, impl: str):
     if _kernels[device] is None and impl == "kernel":
         raise RuntimeError(f"moe_dispatch kernel unavailable on {device}")
     return _kernels[device]
+
+
+def cpu_kernel(t: torch.Tensor, impl: str = "auto"):
+    """The CPU extension (permutation, grouped expert GEMMs, fused gate) for ``t``'s dtype, or None where
+    ``impl="auto"`` falls back to PyTorch (``"kernel"`` raises instead, ``"torch"`` always gives None)."""
+    if t.device.type != "cpu":
+        if impl == "kernel":
+            raise ValueError("the moe_dispatch CPU kernels take CPU tensors")
+        return None
+    return _kernel(t, impl)
 
 
 def backend(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> str:
@@ -167,3 +181,70 @@ def unpermute_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor
     if weights is not None and weights.dtype != torch.float32:
         weights = weights.float()
     return _UnpermuteCombine.apply(y, rows, None if weights is None else weights.contiguous(), covers_all, impl)
+
+
+# -- per-expert segments ----------------------------------------------------------------------------
+class _PermuteSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, rows, counts, impl):
+        ctx.save_for_backward(rows)
+        ctx.impl = impl
+        kernel = _kernel(x, impl)
+        if kernel is None:
+            return tuple(gather_rows_reference(x, part) for part in index.split(counts))
+        _check_range(index, 0, x.shape[0], "gather_rows")
+        return tuple(kernel.gather_rows_split(x.contiguous(), index, counts))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (rows,) = ctx.saved_tensors
+        grads = [g.contiguous() for g in grads]
+        kernel = _kernel(grads[0], ctx.impl)
+        if kernel is None:
+            grad_x = combine_rows_reference(torch.cat(grads), rows, None)
+        else:
+            _check_range(rows, -1, sum(g.shape[0] for g in grads), "combine_rows")
+            grad_x = kernel.combine_segments(grads, rows, None)
+        return grad_x, None, None, None, None
+
+
+class _CombineSegments(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weights, covers_all, impl, *ys):
+        ys = tuple(y.contiguous() for y in ys)
+        ctx.save_for_backward(rows, weights, *ys)
+        ctx.covers_all, ctx.impl = covers_all, impl
+        kernel = _kernel(ys[0], impl)
+        if kernel is None:
+            return combine_rows_reference(torch.cat(ys), rows, weights)
+        _check_range(rows, -1, sum(y.shape[0] for y in ys), "combine_rows")
+        return kernel.combine_segments(list(ys), rows, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, *ys = ctx.saved_tensors
+        need_y = any(ctx.needs_input_grad[4:])
+        need_w = ctx.needs_input_grad[1] and weights is not None
+        kernel = _kernel(ys[0], ctx.impl)
+        if kernel is None:
+            grad_y, grad_w = combine_rows_backward_reference(grad, torch.cat(ys), rows, weights, need_y, need_w)
+            grad_ys = grad_y.split([y.shape[0] for y in ys]) if need_y else [None] * len(ys)
+        else:
+            grad_w, *grad_ys = kernel.combine_segments_backward(grad.contiguous(), ys, rows, weights, need_y, need_w,
+                                                               not ctx.covers_all)
+            grad_ys = grad_ys if need_y else [None] * len(ys)
+        return (None, grad_w if need_w else None, None, None, *grad_ys)
+
+
+def permute_tokens_split(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, counts: list[int],
+                         impl: str = "auto") -> tuple[torch.Tensor, ...]:
+    """:func:`permute_tokens` returned as one tensor per expert (``counts[e]`` consecutive rows each)."""
+    return _PermuteSplit.apply(x, index, rows, list(counts), impl)
+
+
+def unpermute_combine_segments(ys, rows: torch.Tensor, weights: torch.Tensor | None = None,
+                               covers_all: bool = False, impl: str = "auto") -> torch.Tensor:
+    """:func:`unpermute_combine` of the concatenation of ``ys`` (rows index into it), without concatenating."""
+    if weights is not None and weights.dtype != torch.float32:
+        weights = weights.float()
+    return _CombineSegments.apply(rows, None if weights is None else weights.contiguous(), covers_all, impl, *ys)

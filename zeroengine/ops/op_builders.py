@@ -21,11 +21,12 @@ class FusedAdamBuilder(CUDAOpBuilder):
 
 
 class MoEDispatchBuilder(CPUOpBuilder):
-    """MoE token permutation and weighted un-permutation on CPU (ops/csrc/moe/moe_dispatch_cpu.cpp)."""
+    """MoE token permutation and weighted un-permutation, grouped expert GEMMs and the fused top-k gate on
+    CPU (ops/csrc/moe/moe_{dispatch,grouped,gate}_cpu.cpp)."""
 
     NAME = "moe_dispatch"
     SOURCE_DIR = "moe"
-    SOURCES = ("moe_dispatch_cpu.cpp",)
+    SOURCES = ("moe_dispatch_cpu.cpp", "moe_grouped_cpu.cpp", "moe_gate_cpu.cpp")
 
 
 class MoEDispatchCUDABuilder(CUDAOpBuilder):

@@ -5,7 +5,10 @@
 // move rows, so their cost is one pass over the activations: a gather is a
 // memcpy per row, a combine reads k rows and writes one, accumulating in fp32
 // (fp64 for double) without materialising the [tokens, k, dim] intermediate
-// the PyTorch reference needs.
+// the PyTorch reference needs. The combine kernels reach rows through a row-pointer table, so
+// the permuted rows may also be one tensor per expert (the *_segments / gather_rows_split
+// variants: experts run module by module need no concatenation either way). This module also
+// registers the grouped-GEMM and fused-gate kernels (moe_cpu.h).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +25,8 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include "moe_cpu.h"
 
 namespace ze {
 namespace moe {
@@ -67,8 +72,24 @@ inline Acc dot(const T* a, const T* b, int64_t n) {
   return total;
 }
 
+// Row pointers of one [n, d] tensor, or of several [n_i, d] tensors taken as their concatenation.
 template <typename T>
-void combine_kernel(const T* y, const int64_t* rows, const float* w, T* out, int64_t tokens, int64_t k,
+std::vector<T*> row_table(const std::vector<at::Tensor>& parts, int64_t d) {
+  int64_t n = 0;
+  for (const auto& p : parts) n += p.size(0);
+  std::vector<T*> table(n);
+  int64_t r = 0;
+  for (const auto& p : parts) {
+    T* base = static_cast<T*>(const_cast<void*>(p.const_data_ptr()));
+    for (int64_t i = 0, rows = p.size(0); i < rows; ++i) table[r++] = base + i * d;
+  }
+  return table;
+}
+
+// Rows of y are reached through a table of row pointers, so y may be one tensor or the expert
+// outputs as separate tensors (no concatenation copy; see combine_segments).
+template <typename T>
+void combine_kernel(const T* const* yrow, const int64_t* rows, const float* w, T* out, int64_t tokens, int64_t k,
                     int64_t d) {
   using Acc = at::opmath_type<T>;
   constexpr bool kInPlace = std::is_same_v<T, Acc>;  // accumulate straight into the output row
@@ -84,7 +105,7 @@ void combine_kernel(const T* y, const int64_t* rows, const float* w, T* out, int
         const int64_t r = rows[t * k + j];
         if (r < 0) continue;
         const Acc wj = w ? static_cast<Acc>(w[t * k + j]) : Acc(1);
-        const T* yr = y + r * d;
+        const T* yr = yrow[r];
         for (int64_t c = 0; c < d; ++c) acc[c] += wj * static_cast<Acc>(yr[c]);
       }
       if constexpr (!kInPlace) {
@@ -96,8 +117,8 @@ void combine_kernel(const T* y, const int64_t* rows, const float* w, T* out, int
 }
 
 template <typename T>
-void combine_backward_kernel(const T* g, const T* y, const int64_t* rows, const float* w, T* grad_y,
-                             float* grad_w, int64_t tokens, int64_t k, int64_t d) {
+void combine_backward_kernel(const T* g, const T* const* yrow, const int64_t* rows, const float* w,
+                             T* const* grad_yrow, float* grad_w, int64_t tokens, int64_t k, int64_t d) {
   using Acc = at::opmath_type<T>;
   const int threads = at::get_num_threads();
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens * d * k > kParallelGrain)
@@ -109,8 +130,8 @@ void combine_backward_kernel(const T* g, const T* y, const int64_t* rows, const 
         if (grad_w) grad_w[t * k + j] = 0.f;
         continue;
       }
-      if (grad_y) {
-        T* gy = grad_y + r * d;
+      if (grad_yrow) {
+        T* gy = grad_yrow[r];
         if (w == nullptr) {
           std::memcpy(gy, gt, d * sizeof(T));
         } else {
@@ -118,7 +139,7 @@ void combine_backward_kernel(const T* g, const T* y, const int64_t* rows, const 
           for (int64_t c = 0; c < d; ++c) gy[c] = static_cast<T>(wj * static_cast<Acc>(gt[c]));
         }
       }
-      if (grad_w) grad_w[t * k + j] = static_cast<float>(dot<T, Acc>(gt, y + r * d, d));
+      if (grad_w) grad_w[t * k + j] = static_cast<float>(dot<T, Acc>(gt, yrow[r], d));
     }
   }
 }
@@ -142,45 +163,99 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index) {
   return out;
 }
 
-at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& rows, const std::optional<at::Tensor>& weights) {
-  check_2d(y, "y");
+// The segments: expert outputs [n_e, d] taken as one [sum n_e, d] tensor (rows index into it).
+static int64_t check_segments(const std::vector<at::Tensor>& ys, const char* what) {
+  TORCH_CHECK(!ys.empty(), "moe_dispatch: ", what, " needs at least one tensor");
+  int64_t n = 0;
+  for (const auto& y : ys) {
+    check_2d(y, what);
+    TORCH_CHECK(y.scalar_type() == ys[0].scalar_type() && y.size(1) == ys[0].size(1),
+                "moe_dispatch: ", what, " tensors must share dtype and width");
+    n += y.size(0);
+  }
+  return n;
+}
+
+at::Tensor combine_segments(const std::vector<at::Tensor>& ys, const at::Tensor& rows,
+                            const std::optional<at::Tensor>& weights) {
+  const int64_t n = check_segments(ys, "y");
   check_index(rows, "rows");
   TORCH_CHECK(rows.dim() == 2, "moe_dispatch: rows must be [tokens, k]");
   const float* w = weights_ptr(weights, rows);
-  const int64_t tokens = rows.size(0), k = rows.size(1), d = y.size(1);
-  check_range(rows, -1, y.size(0), "combine_rows");  // -1: a dropped assignment
-  at::Tensor out = at::empty({tokens, d}, y.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "combine_rows", [&] {
-    combine_kernel<scalar_t>(y.const_data_ptr<scalar_t>(), rows.const_data_ptr<int64_t>(), w,
-                             out.data_ptr<scalar_t>(), tokens, k, d);
+  const int64_t tokens = rows.size(0), k = rows.size(1), d = ys[0].size(1);
+  check_range(rows, -1, n, "combine_rows");  // -1: a dropped assignment
+  at::Tensor out = at::empty({tokens, d}, ys[0].options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ys[0].scalar_type(), "combine_rows", [&] {
+    const std::vector<scalar_t*> yrow = row_table<scalar_t>(ys, d);
+    combine_kernel<scalar_t>(yrow.data(), rows.const_data_ptr<int64_t>(), w, out.data_ptr<scalar_t>(), tokens, k, d);
   });
   return out;
 }
 
-// Returns (grad_y or undefined, grad_w or undefined). `zero_grad_y` must be set
-// unless every row of y is named by exactly one (t, j).
+at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& rows, const std::optional<at::Tensor>& weights) {
+  return combine_segments({y}, rows, weights);
+}
+
+// Returns (grad_w or undefined, grad_y per segment...) (no grad_y entries unless need_grad_y).
+// `zero_grad_y` must be set unless every row of y is named by exactly one (t, j).
+std::vector<at::Tensor> combine_segments_backward(const at::Tensor& grad, const std::vector<at::Tensor>& ys,
+                                                  const at::Tensor& rows, const std::optional<at::Tensor>& weights,
+                                                  bool need_grad_y, bool need_grad_w, bool zero_grad_y) {
+  check_2d(grad, "grad");
+  const int64_t n = check_segments(ys, "y");
+  check_index(rows, "rows");
+  TORCH_CHECK(grad.scalar_type() == ys[0].scalar_type(), "moe_dispatch: grad and y dtypes differ");
+  TORCH_CHECK(rows.dim() == 2 && grad.size(0) == rows.size(0) && grad.size(1) == ys[0].size(1),
+              "moe_dispatch: grad must be [tokens, dim] and rows [tokens, k]");
+  const float* w = weights_ptr(weights, rows);
+  const int64_t tokens = rows.size(0), k = rows.size(1), d = ys[0].size(1);
+  check_range(rows, -1, n, "combine_rows_backward");
+  std::vector<at::Tensor> out;
+  out.push_back(need_grad_w ? at::empty({tokens, k}, rows.options().dtype(at::kFloat)) : at::Tensor());
+  if (need_grad_y)
+    for (const auto& y : ys) out.push_back(zero_grad_y ? at::zeros_like(y) : at::empty_like(y));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ys[0].scalar_type(), "combine_rows_backward", [&] {
+    const std::vector<scalar_t*> yrow = row_table<scalar_t>(ys, d);
+    std::vector<scalar_t*> grow;
+    if (need_grad_y) grow = row_table<scalar_t>(std::vector<at::Tensor>(out.begin() + 1, out.end()), d);
+    combine_backward_kernel<scalar_t>(grad.const_data_ptr<scalar_t>(), yrow.data(), rows.const_data_ptr<int64_t>(),
+                                      w, need_grad_y ? grow.data() : nullptr,
+                                      need_grad_w ? out[0].data_ptr<float>() : nullptr, tokens, k, d);
+  });
+  return out;
+}
+
 std::vector<at::Tensor> combine_rows_backward(const at::Tensor& grad, const at::Tensor& y, const at::Tensor& rows,
                                               const std::optional<at::Tensor>& weights, bool need_grad_y,
                                               bool need_grad_w, bool zero_grad_y) {
-  check_2d(grad, "grad");
-  check_2d(y, "y");
-  check_index(rows, "rows");
-  TORCH_CHECK(grad.scalar_type() == y.scalar_type(), "moe_dispatch: grad and y dtypes differ");
-  TORCH_CHECK(rows.dim() == 2 && grad.size(0) == rows.size(0) && grad.size(1) == y.size(1),
-              "moe_dispatch: grad must be [tokens, dim] and rows [tokens, k]");
-  const float* w = weights_ptr(weights, rows);
-  const int64_t tokens = rows.size(0), k = rows.size(1), d = y.size(1);
-  check_range(rows, -1, y.size(0), "combine_rows_backward");
-  at::Tensor grad_y, grad_w;
-  if (need_grad_y) grad_y = zero_grad_y ? at::zeros_like(y) : at::empty_like(y);
-  if (need_grad_w) grad_w = at::empty({tokens, k}, rows.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "combine_rows_backward", [&] {
-    combine_backward_kernel<scalar_t>(grad.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(),
-                                      rows.const_data_ptr<int64_t>(), w,
-                                      need_grad_y ? grad_y.data_ptr<scalar_t>() : nullptr,
-                                      need_grad_w ? grad_w.data_ptr<float>() : nullptr, tokens, k, d);
-  });
-  return {grad_y, grad_w};
+  std::vector<at::Tensor> r = combine_segments_backward(grad, {y}, rows, weights, need_grad_y, need_grad_w,
+                                                        zero_grad_y);
+  return {need_grad_y ? r[1] : at::Tensor(), r[0]};
+}
+
+// gather_rows into one tensor per expert: segment e holds rows counts[0] + ... + counts[e-1] onwards.
+std::vector<at::Tensor> gather_rows_split(const at::Tensor& x, const at::Tensor& index,
+                                          const std::vector<int64_t>& counts) {
+  check_2d(x, "x");
+  check_index(index, "index");
+  const int64_t n = index.numel(), d = x.size(1);
+  int64_t total = 0;
+  std::vector<at::Tensor> out;
+  for (int64_t c : counts) {
+    TORCH_CHECK(c >= 0, "moe_dispatch: negative count");
+    out.push_back(at::empty({c, d}, x.options()));
+    total += c;
+  }
+  TORCH_CHECK(total == n, "moe_dispatch: counts sum to ", total, " but index has ", n, " rows");
+  check_range(index, 0, x.size(0), "gather_rows");
+  const std::vector<char*> dst = row_table<char>(out, d * x.element_size());
+  const size_t row_bytes = d * x.element_size();
+  const char* src = static_cast<const char*>(x.const_data_ptr());
+  const int64_t* idx = index.const_data_ptr<int64_t>();
+  const int threads = at::get_num_threads();
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * d > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) std::memcpy(dst[i], src + idx[i] * row_bytes, row_bytes);
+  return out;
 }
 
 }  // namespace moe
@@ -190,6 +265,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroengine MoE token permutation (CPU)";
   m.def("gather_rows", &ze::moe::gather_rows, py::arg("x"), py::arg("index"));
   m.def("combine_rows", &ze::moe::combine_rows, py::arg("y"), py::arg("rows"), py::arg("weights"));
+  m.def("gather_rows_split", &ze::moe::gather_rows_split, py::arg("x"), py::arg("index"), py::arg("counts"));
+  m.def("combine_segments", &ze::moe::combine_segments, py::arg("ys"), py::arg("rows"), py::arg("weights"));
+  m.def("combine_segments_backward", &ze::moe::combine_segments_backward, py::arg("grad"), py::arg("ys"),
+        py::arg("rows"), py::arg("weights"), py::arg("need_grad_y"), py::arg("need_grad_w"), py::arg("zero_grad_y"));
   m.def("combine_rows_backward", &ze::moe::combine_rows_backward, py::arg("grad"), py::arg("y"), py::arg("rows"),
         py::arg("weights"), py::arg("need_grad_y"), py::arg("need_grad_w"), py::arg("zero_grad_y"));
+  // moe_grouped_cpu.cpp
+  m.def("grouped_rows_mm", &ze::moe::grouped_rows_mm, py::arg("a"), py::arg("w"), py::arg("counts"),
+        py::arg("bias"), py::arg("trans_w"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("grouped_weight_grad", &ze::moe::grouped_weight_grad, py::arg("a"), py::arg("b"), py::arg("counts"),
+        py::arg("out"), py::arg("bias_out"), py::call_guard<py::gil_scoped_release>());
+  // moe_gate_cpu.cpp
+  m.def("topk_gate_forward", &ze::moe::topk_gate_forward, py::arg("probs"), py::arg("select"), py::arg("k"),
+        py::arg("capacity"), py::arg("renormalize"));
+  m.def("topk_gate_backward", &ze::moe::topk_gate_backward, py::arg("probs"), py::arg("expert_index"),
+        py::arg("chosen"), py::arg("kept"), py::arg("grad_weights"), py::arg("aux_coef"), py::arg("renormalize"));
 }

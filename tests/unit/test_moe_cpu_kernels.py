@@ -1,0 +1,120 @@
+"""The CPU kernels of the local MoE path against their PyTorch references: per-expert segments
+(permutation split per expert, combine from separate expert outputs), grouped expert GEMMs, and
+the weight-gradient workspace (reused only when nothing else holds it)."""
+import pytest
+import torch
+import torch.nn as nn
+
+from zeroengine.moe.grouped_cpu import GradWorkspace, expert_mlp
+from zeroengine.ops.moe_dispatch import (backend, permute_tokens, permute_tokens_split, unpermute_combine,
+                                         unpermute_combine_segments)
+
+pytestmark = pytest.mark.skipif(backend("cpu") != "cpp", reason="moe_dispatch CPU kernel not built")
+
+
+def _routing(tokens, experts, k, dropped, seed):
+    """index/rows/counts of a random routing (each row named once; ``dropped`` assignments get -1)."""
+    g = torch.Generator().manual_seed(seed)
+    choice = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    keep = torch.ones(tokens, k, dtype=torch.bool)
+    keep.view(-1)[torch.randperm(tokens * k, generator=g)[:dropped]] = False
+    flat_e = torch.where(keep, choice, experts).reshape(-1)
+    order = torch.argsort(flat_e, stable=True)[: int(keep.sum())]
+    rows = torch.full((tokens * k,), -1, dtype=torch.long)
+    rows[order] = torch.arange(order.numel())
+    counts = torch.bincount(flat_e, minlength=experts + 1)[:experts].tolist()
+    return order // k, rows.view(tokens, k), counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tokens,experts,k,dropped", [(40, 5, 2, 7), (33, 4, 1, 0), (6, 8, 2, 1)])
+def test_segment_ops_match_single_tensor_reference(tokens, experts, k, dropped, dtype):
+    index, rows, counts = _routing(tokens, experts, k, dropped, seed=tokens)
+    weights = torch.rand(tokens, k)
+    x = torch.randn(tokens, 12, dtype=dtype)
+    probe = torch.randn(tokens, 12, dtype=dtype)
+    scale = [torch.randn(12, dtype=dtype) for _ in range(experts)]  # a different "expert" per segment
+    runs = {}
+    for impl in ("kernel", "torch"):
+        xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        chunks = permute_tokens_split(xl, index, rows, counts, impl=impl)
+        assert [c.shape[0] for c in chunks] == counts
+        ys = [c * s for c, s in zip(chunks, scale)]
+        out = unpermute_combine_segments(ys, rows, wl, covers_all=True, impl=impl)
+        (out * probe).sum().backward()
+        runs[impl] = (torch.cat(chunks).detach(), out.detach(), xl.grad, wl.grad)
+    # the single-tensor ops (themselves tested against their references in test_moe_ops.py)
+    xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    permuted = permute_tokens(xl, index, rows, impl="torch")
+    y = torch.cat([c * s for c, s in zip(permuted.split(counts), scale)])
+    out = unpermute_combine(y, rows, wl, covers_all=True, impl="torch")
+    (out * probe).sum().backward()
+    want = (permuted.detach(), out.detach(), xl.grad, wl.grad)
+    for got in runs.values():
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1, 7, 2], [4, 4], [0, 9, 0, 0, 1, 0, 0, 0, 2]])
+@pytest.mark.parametrize("stacked,bias,act", [(True, True, nn.GELU()), (False, True, nn.SiLU()),
+                                              (False, False, nn.ReLU())])
+def test_grouped_kernel_matches_loop_reference(counts, stacked, bias, act):
+    torch.manual_seed(len(counts))
+    num, hidden, ffn = len(counts), 8, 16
+    params = [torch.randn(num, ffn, hidden), torch.randn(num, ffn) if bias else None,
+              torch.randn(num, hidden, ffn), torch.randn(num, hidden) if bias else None]
+    params = [None if p is None else p.requires_grad_() for p in params]
+    x, g = torch.randn(sum(counts), hidden), torch.randn(sum(counts), hidden)
+    runs = []
+    for impl in ("kernel", "torch"):
+        for p in [*params, x]:
+            if p is not None:
+                p.grad = None
+        xl = x.clone().requires_grad_()
+        args = [p if p is None or stacked else list(p.unbind(0)) for p in params]
+        y = expert_mlp(xl, counts, args[0], args[1], act, args[2], args[3], GradWorkspace(), impl=impl)
+        y.backward(g)
+        grads = []
+        for p in params:
+            if p is not None:
+                grads.append(p.grad.clone())
+        runs.append([y.detach(), xl.grad, *grads])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for e, c in enumerate(counts):  # an expert with no rows gets exact zeros
+        if c == 0:
+            assert not params[0].grad[e].any() and not params[2].grad[e].any()
+
+
+def test_gradient_workspace_is_reused_only_when_free():
+    w = nn.Parameter(torch.randn(3, 6, 4))
+    x = torch.randn(5, 4)
+    workspace = GradWorkspace()
+
+    def step():
+        y = expert_mlp(x, [2, 0, 3], w, None, nn.ReLU(), torch.ones(3, 4, 6), None, workspace)
+        y.sum().backward()
+
+    step()
+    first, kept = w.grad, w.grad.clone()
+    step()  # .grad still set: autograd accumulates into it; the workspace must not be that memory
+    assert w.grad.data_ptr() == first.data_ptr()
+    torch.testing.assert_close(w.grad, 2 * kept)
+    w.grad = None
+    step()
+    torch.testing.assert_close(w.grad, kept)
+    ptr = w.grad.data_ptr()
+    w.grad = None
+    step()  # nothing holds the buffer now: it is written again and adopted as .grad without a copy
+    assert w.grad.data_ptr() == ptr
+    torch.testing.assert_close(w.grad, kept)
+    held = w.grad
+    w.grad = None
+    step()  # someone still holds last step's gradient: it gets fresh memory and stays intact
+    assert w.grad.data_ptr() != held.data_ptr()
+    torch.testing.assert_close(held, kept)
+    torch.testing.assert_close(w.grad, kept)
+    workspace.enabled = False
+    w.grad = None
+    step()
+    assert w.grad.data_ptr() != held.data_ptr() and not workspace._buffers
