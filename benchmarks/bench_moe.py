@@ -19,10 +19,16 @@ Candidates, all dropless, all with the same expert MLP (hidden -> ffn -> hidden,
   grouped GEMMs with no stacking copy); MLP rows only;
 * ``deepspeed``: DeepSpeed's ``deepspeed.moe.layer.MoE`` (CPU accelerator), when importable.
 
+Every candidate routes with the same gate weights (so the same tokens go to the same experts).
+``traffic``: streaming the expert weights once forward and once backward plus writing their
+gradients (see :class:`WeightTraffic`); ``bound`` = floor + traffic, what a layer costs at least
+unless that traffic overlaps GEMM arithmetic (at 64 experts the weights are 512 MiB, far from
+cache, and this is more than 5% of the floor).
+
 ``overhead`` rows repeat the same shapes with a near-zero-cost expert (one elementwise
 scale), so what remains is routing, dispatch and combine. Every repeat times each
 candidate once, in turn (machine noise hits all alike); tables show the median and
-the best. ``a2a`` rows: ``zeroengine.moe.MoE`` with ``ep_size`` = world on 2 and 4 gloo
+the best, and the JSON records the load average at start and end. ``a2a`` rows: ``zeroengine.moe.MoE`` with ``ep_size`` = world on 2 and 4 gloo
 ranks (tokens per rank as above, the cheap expert), against the same layer with every
 expert local on each rank. Results go to benchmarks/results/moe[_cuda].json.
 """
@@ -98,7 +104,7 @@ class SortMoE(nn.Module):
         return torch.zeros_like(x).index_add(0, token, y)
 
 
-def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepspeed):
+def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepspeed, only=None):
     """name -> (module, input); the module maps [tokens, hidden] (the floor: [k*tokens, hidden])."""
     from zeroengine.moe import MoE, TopKGate
 
@@ -126,8 +132,17 @@ def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepsp
             found["deepspeed"] = (ds, x)
         except Exception as exc:  # not installed, or it cannot run here
             found["deepspeed"] = f"unavailable: {type(exc).__name__}: {(str(exc) or '-').splitlines()[0][:100]}"
+    # Same routing everywhere: every gate gets the shared gate's weights (a dropless layer's cost
+    # depends on how evenly the tokens spread, DeepSpeed's on the fullest expert).
+    for name, entry in found.items():
+        module = entry[0] if isinstance(entry, tuple) else None
+        router = getattr(module, "gate", None) or getattr(getattr(module, "deepspeed_moe", None), "gate", None)
+        if router is not None and router is not gate:
+            router.wg.weight.data.copy_(gate.wg.weight.data)
     out = {}
     for name, entry in found.items():
+        if only and name not in only and name != "floor":
+            continue
         if isinstance(entry, str):
             out[name] = entry
             continue
@@ -154,18 +169,44 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def run_shape(kind, tokens, hidden, ffn, experts, k, repeats, device, dtype, with_deepspeed):
-    cands = candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepspeed)
+class WeightTraffic:
+    """What streaming the experts' weights costs on this machine: read every expert weight twice (forward,
+    input gradient) and write a same-sized gradient once (into memory already mapped). A layer pays this
+    on top of the floor (whose 2 weights stay in cache) unless the traffic overlaps GEMM arithmetic;
+    ``floor + traffic`` is the ``bound`` column."""
+
+    def __init__(self, experts, hidden, ffn, device, dtype):
+        self.weights = [torch.ones(experts, ffn, hidden, device=device, dtype=dtype),
+                        torch.ones(experts, hidden, ffn, device=device, dtype=dtype)]
+        self.grads = [torch.zeros_like(w) for w in self.weights]
+
+    def __call__(self):
+        for w, g in zip(self.weights, self.grads):
+            w.sum()
+            w.sum()
+            g.fill_(0.5)
+
+
+def run_shape(kind, tokens, hidden, ffn, experts, k, repeats, device, dtype, with_deepspeed, only=None):
+    cands = candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepspeed, only)
     runnable = {n: c for n, c in cands.items() if not isinstance(c, str)}
     grads = {n: torch.randn(x.shape, device=device, dtype=dtype) for n, (_, x) in runnable.items()}
-    times = {n: [] for n in runnable}
+    jobs = {n: (lambda m=module, x=x, g=grads[n]: fwd_bwd(m, x, g), module) for n, (module, x) in runnable.items()}
+    if kind == "mlp":
+        jobs["traffic"] = (WeightTraffic(experts, hidden, ffn, device, dtype), None)
+    times = {n: [] for n in jobs}
     for rep in range(repeats + 1):  # the first round warms up (allocator, kernel builds)
-        for name, (module, x) in runnable.items():
-            t = timed(lambda: fwd_bwd(module, x, grads[name]), device)
-            module.zero_grad(set_to_none=True)
+        for name, (fn, module) in jobs.items():
+            t = timed(fn, device)
+            if module is not None:
+                module.zero_grad(set_to_none=True)
             if rep:
                 times[name].append(t)
     rows = {n: {"median_s": statistics.median(t), "best_s": min(t), "runs": t} for n, t in times.items()}
+    if "traffic" in rows and "floor" in rows:
+        # per repeat, so the bound sees the same machine state as the floor it extends
+        runs = [f + t for f, t in zip(times["floor"], times["traffic"])]
+        rows["bound"] = {"median_s": statistics.median(runs), "best_s": min(runs), "runs": runs}
     rows.update({n: {"skipped": c} for n, c in cands.items() if isinstance(c, str)})
     return rows
 
@@ -207,7 +248,7 @@ def run_a2a(worlds, tokens, hidden, experts, k, repeats):
 
 
 # -- report ----------------------------------------------------------------------------------------
-COLUMNS = ["floor", "naive", "sort", "deepspeed", "ze-loop", "zeroengine", "ze-stacked"]
+COLUMNS = ["floor", "traffic", "bound", "naive", "sort", "deepspeed", "ze-loop", "zeroengine", "ze-stacked"]
 
 
 def print_table(title, shapes):
@@ -255,6 +296,7 @@ def main(argv=None):
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--a2a-worlds", default="2,4", help="comma list; empty to skip")
     parser.add_argument("--skip-mlp", action="store_true", help="only the overhead and all-to-all rows")
+    parser.add_argument("--candidates", default="", help="comma list to run (default: all; the floor always runs)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (smoke test)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -276,14 +318,16 @@ def main(argv=None):
     from zeroengine.ops.moe_dispatch import backend
 
     result["zeroengine_kernels"] = backend(device, dtype)
+    result["load_average_start"] = os.getloadavg()  # other processes on the same cores (see the README)
     for kind, reps in (("mlp", args.repeats), ("cheap", args.overhead_repeats)):
         if kind == "mlp" and args.skip_mlp:
             continue
+        only = {c for c in args.candidates.split(",") if c}
         shapes = [{"experts": e, "k": k, "rows": run_shape(kind, args.tokens, args.hidden, args.ffn, e, k, reps,
-                                                           device, dtype, with_ds)}
+                                                           device, dtype, with_ds, only)}
                   for e in experts for k in ks]
         result[kind] = shapes
-        result[f"{kind}_ratios"] = ratios(shapes, ["floor", "naive", "sort", "deepspeed", "ze-loop"])
+        result[f"{kind}_ratios"] = ratios(shapes, ["floor", "bound", "naive", "sort", "deepspeed", "ze-loop"])
         print_table("forward+backward, expert MLP" if kind == "mlp" else "dispatch/combine overhead "
                     "(near-zero-cost expert)", shapes)
         for r in result[f"{kind}_ratios"]:
@@ -297,6 +341,8 @@ def main(argv=None):
             print(f"  {world} ranks: local {row['local_s'] * 1e3:.1f} ms, "
                   f"all-to-all {row['all_to_all_s'] * 1e3:.1f} ms, "
                   f"{row['bytes_sent_per_rank'] / 2**20:.1f} MiB of token rows per rank")
+    result["load_average_end"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at start {result['load_average_start']}, at end {result['load_average_end']}")
     out = Path(args.out) if args.out else HERE / "results" / f"moe{'_cuda' if device == 'cuda' else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -20,8 +20,12 @@ def test_quick_run_reports_every_candidate(tmp_path):
     result = json.loads(out.read_text())
     assert [(s["experts"], s["k"]) for s in result["mlp"]] == [(4, 1), (4, 2), (8, 1), (8, 2)]
     for shape in result["mlp"]:
-        assert set(shape["rows"]) == {"floor", "naive", "sort", "ze-loop", "zeroengine", "ze-stacked"}
+        assert set(shape["rows"]) == {"floor", "traffic", "bound", "naive", "sort", "ze-loop", "zeroengine",
+                                      "ze-stacked"}
+        rows = shape["rows"]
+        assert rows["bound"]["runs"] == [f + t for f, t in zip(rows["floor"]["runs"], rows["traffic"]["runs"])]
     for shape in result["mlp"] + result["cheap"]:
         assert all(math.isfinite(r["median_s"]) and r["median_s"] > 0 for r in shape["rows"].values())
     assert len(result["mlp_ratios"]) == 4 and "naive/zeroengine" in result["cheap_ratios"][0]
+    assert "bound/zeroengine" in result["mlp_ratios"][0] and len(result["load_average_start"]) == 3
     assert result["a2a"]["2"]["all_to_all_s"] > 0 and result["a2a"]["2"]["bytes_sent_per_rank"] > 0
