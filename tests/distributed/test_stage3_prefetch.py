@@ -31,10 +31,12 @@ def _train(rank, world, zero_extra):
     bucket_of = buffer.layout.bucket_of_param()
     persistent_whole = [p.data.numel() == p.numel() and type(p) is torch.nn.Parameter and is_partitioned(p)
                         for i, p in enumerate(buffer.params) if bucket_of[i] in buffer.persistent]
-    params_bytes = engine.memory_breakdown()["params"]
+    breakdown = engine.memory_breakdown()
+    spare_numel = sum(t.numel() for t in buffer.spare_tensors())  # released memory kept for the next gathers
     with GatheredParameters(list(engine.module.parameters())):
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return stats, units, persistent_whole, params_bytes, buffer.layout.shard_numel, state
+    return (stats, units, persistent_whole, breakdown["params"], buffer.layout.shard_numel,
+            (spare_numel, breakdown["buffers"]), state)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,9 +83,13 @@ def test_max_live_parameters_bounds_the_gathered_elements():
     bounded = _run(stage3_max_live_parameters=limit)
     _check_parity(bounded, ref)
     assert free[0][0]["peak_live_numel"] > limit  # without the bound, more is alive at once
-    for stats, *_ in bounded:
+    for stats, *_, (spare_numel, buffers_bytes), _ in bounded:
         assert stats["peak_live_numel"] <= limit, (stats["peak_live_numel"], limit)
         assert stats["prefetched"] > 0  # it still prefetches within the bound
+        # released memory is kept for reuse (CPU, torch >= 2.13), within what was alive at once, and reported
+        if hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+            assert 0 < spare_numel <= stats["peak_live_numel"] <= limit, (spare_numel, stats["peak_live_numel"])
+            assert buffers_bytes >= 4 * spare_numel
 
 
 def test_reuse_distance_keeps_parameters_gathered_between_forward_and_backward():
@@ -104,7 +110,7 @@ def test_small_parameters_persist_whole_and_are_never_gathered_by_modules():
     results = _run(stage3_param_persistence_threshold=200)
     _check_parity(results, ref)
     passes = STEPS - 1
-    for stats, units, whole, params_bytes, shard_numel, _ in results:
+    for stats, units, whole, params_bytes, shard_numel, _, _ in results:
         persistent = sum(n for n, p in units if p)
         partitioned = sum(n for n, p in units if not p)
         assert persistent > 0 and whole and all(whole)  # LayerNorms and biases: full on every rank

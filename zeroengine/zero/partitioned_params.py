@@ -31,6 +31,18 @@ it back and all-gathers into the same storage, so every view saved in forward
 sees the values again in backward. With ``ZEROENGINE_MALLOC_MMAP_THRESHOLD``
 set, on CPU the storage keeps its memory and a release hands its pages back
 to the OS instead (see :mod:`zeroengine.zero.host_memory`).
+
+Note: reusing memory.
+On CPU a resize to 0 bytes hands the memory to glibc, which keeps freed
+blocks in its heap and fragments it; the next gather then allocates afresh.
+Where torch can move memory between storages (``_swap_data_ptr_``, torch
+2.13), a release instead moves the bucket's memory into a spare kept here, and
+the next gather of a bucket of that size moves a spare under its own storage:
+views autograd saved still see their bucket's storage object, and after the
+first step nothing goes through malloc. Gathered plus spare memory stays
+within the most ever gathered at once (what ``stage3_max_live_parameters``
+bounds): a gather that finds no spare of its size frees spares of other sizes
+first. Accelerators keep the resize: their caching allocator pools.
 """
 from __future__ import annotations
 
@@ -107,6 +119,9 @@ class PartitionedParamBuffer(ParamBuffer):
         self._pending: list[object | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         self._release_pages = host_memory.return_freed_memory() and host_memory.can_drop_pages(self._empty)
+        # CPU: released memory is kept for the next gather of the same size (see "Note: reusing memory")
+        self._swap_storage = self.device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        self._spares: dict[int, list[torch.Tensor]] = {}  # padded size -> idle full-size memory
         for bucket in layout.buckets:
             self._point_at_nothing(bucket)
         for bucket in layout.buckets:
@@ -131,11 +146,17 @@ class PartitionedParamBuffer(ParamBuffer):
         if self.order_check is not None:  # every rank gathers this bucket now, or all raise (see gather_order)
             self.order_check.verify(self.order_tag, bucket, label)
         full = self._storage[bucket.index]
+        spares = self._spares.get(bucket.padded_numel)  # memory released buckets of this size left here
+        if not spares and self._spares:
+            self._drop_spares_beyond_peak(bucket.padded_numel)
         if full is None:
-            full = self._storage[bucket.index] = torch.empty(bucket.padded_numel, dtype=self.dtype,
-                                                             device=self.device)
+            full = self._storage[bucket.index] = spares.pop() if spares else torch.empty(
+                bucket.padded_numel, dtype=self.dtype, device=self.device)
         elif full.untyped_storage().nbytes() == 0:
-            full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
+            if spares:  # move the spare memory under this bucket's own storage
+                full.untyped_storage()._swap_data_ptr_(spares.pop().untyped_storage())
+            else:
+                full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
         self.full[bucket.index] = full
         if bucket.index not in self.persistent:
             self.stats.live_numel += bucket.padded_numel
@@ -191,10 +212,16 @@ class PartitionedParamBuffer(ParamBuffer):
             self._pending[bucket.index].wait()
             self._pending[bucket.index] = None
         self.full[bucket.index] = None
+        storage = self._storage[bucket.index]
         if self._release_pages:
-            host_memory.drop_pages(self._storage[bucket.index])
+            host_memory.drop_pages(storage)
+        elif self._swap_storage:  # keep the memory for the next gather of this size (see the note)
+            spare = torch.empty(0, dtype=self.dtype, device=self.device)
+            storage.untyped_storage()._swap_data_ptr_(spare.untyped_storage())
+            self._spares.setdefault(bucket.padded_numel, []).append(spare.set_(spare.untyped_storage(), 0,
+                                                                               (bucket.padded_numel,)))
         else:
-            self._storage[bucket.index].untyped_storage().resize_(0)
+            storage.untyped_storage().resize_(0)
         if bucket.index not in self.persistent:
             self.stats.live_numel -= bucket.padded_numel
         self._point_at_nothing(bucket)
@@ -250,6 +277,21 @@ class PartitionedParamBuffer(ParamBuffer):
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.shard] + [f for f in self.full if f is not None]
+
+    def _drop_spares_beyond_peak(self, numel: int) -> None:
+        """About to allocate ``numel`` afresh: free spares of other sizes so that gathered plus spare memory
+        stays within the most ever gathered at once (spares of one size cannot serve another)."""
+        bound = max(self.stats.peak_live_numel, self.stats.live_numel + numel)
+        held = self.stats.live_numel + numel + sum(t.numel() for t in self.spare_tensors())
+        for size in sorted(self._spares, reverse=True):
+            while held > bound and self._spares[size]:
+                self._spares[size].pop()
+                held -= size
+        self._spares = {size: spares for size, spares in self._spares.items() if spares}
+
+    def spare_tensors(self) -> list[torch.Tensor]:
+        """Idle memory kept for the next gathers (at most the most buckets ever gathered at once, per size)."""
+        return [t for spares in self._spares.values() for t in spares]
 
 
 class _Done:

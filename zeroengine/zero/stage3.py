@@ -85,4 +85,7 @@ class Stage3Optimizer(ShardedOptimizer):
         tally = super().memory_tally()
         if self.frozen_params is not None:
             tally.add("params", self.frozen_params.held_tensors())
+        for buffer in (self.flat_params, self.frozen_params):
+            if buffer is not None:
+                tally.add("buffers", buffer.spare_tensors())
         return tally
