@@ -266,7 +266,9 @@ def print_table(title, shapes):
 
 
 def ratios(shapes, baseline_of, ours_of=("zeroengine", "ze-stacked")):
-    """``other/ours`` by median and by best time (> 1: ours is faster; the floor's ratio is <= 1)."""
+    """``other/ours`` by median and by best time (> 1: ours is faster; the floor's ratio is <= 1), and
+    ``(paired)``: the median over repeats of the ratio within a repeat (the two ran back to back, so
+    load from other processes that changes between repeats cancels out)."""
     out = []
     for s in shapes:
         rows = s["rows"]
@@ -278,6 +280,8 @@ def ratios(shapes, baseline_of, ours_of=("zeroengine", "ze-stacked")):
                 if "median_s" in rows.get(other, {}):
                     entry[f"{other}/{ours}"] = rows[other]["median_s"] / rows[ours]["median_s"]
                     entry[f"{other}/{ours} (best)"] = rows[other]["best_s"] / rows[ours]["best_s"]
+                    entry[f"{other}/{ours} (paired)"] = statistics.median(
+                        a / b for a, b in zip(rows[other]["runs"], rows[ours]["runs"]))
         out.append(entry)
     return out
 
@@ -296,6 +300,7 @@ def main(argv=None):
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--a2a-worlds", default="2,4", help="comma list; empty to skip")
     parser.add_argument("--skip-mlp", action="store_true", help="only the overhead and all-to-all rows")
+    parser.add_argument("--skip-overhead", action="store_true", help="no near-zero-cost-expert rows")
     parser.add_argument("--candidates", default="", help="comma list to run (default: all; the floor always runs)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat (smoke test)")
     parser.add_argument("--out", default=None)
@@ -320,7 +325,7 @@ def main(argv=None):
     result["zeroengine_kernels"] = backend(device, dtype)
     result["load_average_start"] = os.getloadavg()  # other processes on the same cores (see the README)
     for kind, reps in (("mlp", args.repeats), ("cheap", args.overhead_repeats)):
-        if kind == "mlp" and args.skip_mlp:
+        if (kind == "mlp" and args.skip_mlp) or (kind == "cheap" and args.skip_overhead):
             continue
         only = {c for c in args.candidates.split(",") if c}
         shapes = [{"experts": e, "k": k, "rows": run_shape(kind, args.tokens, args.hidden, args.ffn, e, k, reps,
@@ -332,7 +337,8 @@ def main(argv=None):
                     "(near-zero-cost expert)", shapes)
         for r in result[f"{kind}_ratios"]:
             print("  " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
-                                   for key, v in r.items() if "(best)" not in key))
+                                   for key, v in r.items() if "(best)" not in key and "(paired)" not in key))
+            print("    paired: " + ", ".join(f"{key[:-9]} {v:.3f}" for key, v in r.items() if "(paired)" in key))
     worlds = [int(w) for w in args.a2a_worlds.split(",") if w] if device == "cpu" else []
     if worlds:
         result["a2a"] = run_a2a(worlds, args.tokens, args.hidden, min(experts), max(ks), args.overhead_repeats)

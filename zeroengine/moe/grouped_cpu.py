@@ -12,6 +12,10 @@ reasons, in order of size:
   gradient buffer and writes the next gradients into it when nothing else holds it any
   more (the previous ``.grad`` was dropped or already accumulated), so the pages stay
   mapped; autograd then adopts views of it as ``.grad`` without a copy;
+* fresh activations: the same holds for the ``[rows, ffn]`` hidden activations (64 MiB each at
+  top-2): the pre-activation and activation kept for backward come from the same workspace
+  (free again once backward has run), and backward's one ``[rows, ffn]`` scratch (the
+  activation's gradient, turned in place into the pre-activation's) is shared by all layers;
 * padding: a padded ``bmm`` runs every expert at the largest batch (dropless routing at
   64 experts pads 4096 rows to ~5200); here each expert's GEMM covers exactly its rows,
   written into its slice of one output (no padding, no gather back);
@@ -21,11 +25,13 @@ reasons, in order of size:
 
 What remains over the floor at 64 experts is the weights' memory traffic (a GEMM over
 ~64 rows reads each 4 MiB weight panel for little arithmetic): the benchmark reports that
-bound as its own column. The workspace holds one gradient-sized buffer per weight between
-steps; ``experts.grad_workspace.enabled = False`` frees it and allocates afresh each step.
+bound as its own column. The workspace holds one gradient-sized buffer per weight and the
+two hidden activations between steps (memory a caching allocator would hold too);
+``experts.grad_workspace.enabled = False`` frees them and allocates afresh each step.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,9 +45,11 @@ def _storage_refs(t: torch.Tensor) -> int:
 
 
 class GradWorkspace:
-    """Gradient buffers reused across steps (Note: CPU expert cost): ``get(name, shape, like)`` returns
-    the buffer kept under ``name`` if only this workspace still references its storage, else a
-    new one (which it then keeps). Never hands out memory someone else can still see."""
+    """Buffers reused across steps (Note: CPU expert cost): ``get(name, shape, like)`` returns a
+    contiguous ``shape`` tensor backed by the buffer kept under ``name`` when only this workspace
+    still references that buffer's storage and it is large enough, else a new buffer (which it then
+    keeps). It never hands out memory someone else can still see. Used for the weight gradients
+    (adopted by autograd as ``.grad``) and the hidden activations (saved for backward, then free)."""
 
     def __init__(self):
         self._buffers: dict[str, tuple[torch.Tensor, int]] = {}
@@ -51,15 +59,16 @@ class GradWorkspace:
         if not self.enabled:
             self._buffers.clear()
             return like.new_empty(shape)
+        numel = math.prod(shape)
         kept = self._buffers.get(name)
         if kept is not None:
             buf, alone = kept
-            if (tuple(buf.shape) == tuple(shape) and buf.dtype == like.dtype and buf.device == like.device
+            if (buf.numel() >= numel and buf.dtype == like.dtype and buf.device == like.device
                     and _storage_refs(buf) == alone):
-                return buf
-        buf = like.new_empty(shape)
+                return buf[:numel].view(shape)
+        buf = like.new_empty(numel)
         self._buffers[name] = (buf, _storage_refs(buf))
-        return buf
+        return buf.view(shape)
 
     def clear(self) -> None:
         self._buffers.clear()
@@ -72,18 +81,40 @@ class GradWorkspace:
         self._buffers, self.enabled = {}, state["enabled"]
 
 
-def _act_backward(act: nn.Module, grad: torch.Tensor, h: torch.Tensor | None, a: torch.Tensor) -> torch.Tensor:
-    """d act(h) / dh applied to ``grad``, from the saved pre-activation ``h`` or output ``a``."""
+# Backward's [rows, ffn] scratch lives only during one expert layer's backward: one buffer serves
+# every layer (a per-layer one would add a layer's worth of activation memory per layer).
+_BACKWARD_SCRATCH = GradWorkspace()
+
+
+def _act_into(act: nn.Module, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``act(h)`` written into ``out`` (``h`` itself for Identity)."""
     if isinstance(act, nn.GELU):
-        return torch.ops.aten.gelu_backward(grad, h, approximate=act.approximate)
+        return torch.ops.aten.gelu.out(h, approximate=act.approximate, out=out)
     if isinstance(act, nn.SiLU):
-        return torch.ops.aten.silu_backward(grad, h)
+        return torch.ops.aten.silu.out(h, out=out)
     if isinstance(act, nn.ReLU):
-        return torch.ops.aten.threshold_backward(grad, a, 0)
+        return torch.clamp(h, min=0, out=out)
     if isinstance(act, nn.Tanh):
-        return torch.ops.aten.tanh_backward(grad, a)
+        return torch.tanh(h, out=out)
     if isinstance(act, nn.Sigmoid):
-        return torch.ops.aten.sigmoid_backward(grad, a)
+        return torch.sigmoid(h, out=out)
+    if isinstance(act, nn.Identity):
+        return h
+    raise TypeError(f"no forward for activation {type(act).__name__}")
+
+
+def _act_backward_(act: nn.Module, grad: torch.Tensor, h: torch.Tensor | None, a: torch.Tensor) -> torch.Tensor:
+    """``grad`` times d act(h) / dh, in place, from the saved pre-activation ``h`` or output ``a``."""
+    if isinstance(act, nn.GELU):
+        return torch.ops.aten.gelu_backward.grad_input(grad, h, approximate=act.approximate, grad_input=grad)
+    if isinstance(act, nn.SiLU):
+        return torch.ops.aten.silu_backward.grad_input(grad, h, grad_input=grad)
+    if isinstance(act, nn.ReLU):
+        return torch.ops.aten.threshold_backward.grad_input(grad, a, 0, grad_input=grad)
+    if isinstance(act, nn.Tanh):
+        return torch.ops.aten.tanh_backward.grad_input(grad, a, grad_input=grad)
+    if isinstance(act, nn.Sigmoid):
+        return torch.ops.aten.sigmoid_backward.grad_input(grad, a, grad_input=grad)
     if isinstance(act, nn.Identity):
         return grad
     raise TypeError(f"no backward for activation {type(act).__name__}")
@@ -119,9 +150,10 @@ class _ExpertMLP(torch.autograd.Function):
         counts, act, workspace, layout, impl = meta
         w1, b1, w2, b2 = _split(params, layout)
         kernel = _kernel(x, impl)
-        h = x.new_empty(x.shape[0], w1[0].shape[0])
+        shape = (x.shape[0], w1[0].shape[0])
+        h = workspace.get("h", shape, x)
         rows_mm(x, w1, counts, b1, True, h, kernel)
-        a = act(h)
+        a = _act_into(act, h, workspace.get("a", shape, x) if not isinstance(act, nn.Identity) else None)
         y = x.new_empty(x.shape[0], w2[0].shape[0])
         rows_mm(a, w2, counts, b2, True, y, kernel)
         ctx.meta = meta
@@ -135,10 +167,10 @@ class _ExpertMLP(torch.autograd.Function):
         w1, b1, w2, b2 = _split(params, layout)
         kernel = _kernel(x, impl)
         gy = gy.contiguous()
-        ga = torch.empty_like(a)
-        rows_mm(gy, w2, counts, None, False, ga, kernel)
-        gh = _act_backward(act, ga, h, a)
-        del ga
+        scratch = _BACKWARD_SCRATCH if workspace.enabled else workspace
+        gh = scratch.get("g", a.shape, a)
+        rows_mm(gy, w2, counts, None, False, gh, kernel)  # d loss / d a ...
+        _act_backward_(act, gh, h, a)  # ... then d loss / d h, in place
         gx = None
         if ctx.needs_input_grad[0]:
             gx = torch.empty_like(x)

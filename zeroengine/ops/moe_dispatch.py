@@ -110,8 +110,10 @@ def _check_range(index: torch.Tensor, lo: int, n: int, op: str) -> None:
     """Index checks for the CPU kernel, in Python: a C++ exception thrown out of an extension has been
     seen to crash some torch builds (2.11+cu130 with gcc 13) instead of raising. CUDA kernels skip
     out-of-range rows instead (a check there would synchronise the device)."""
-    if index.device.type == "cpu" and index.numel() and (int(index.min()) < lo or int(index.max()) >= n):
-        raise RuntimeError(f"moe_dispatch.{op}: index out of range [0, {n})")
+    if index.device.type == "cpu" and index.numel():
+        low, high = torch.aminmax(index)
+        if int(low) < lo or int(high) >= n:
+            raise RuntimeError(f"moe_dispatch.{op}: index out of range [0, {n})")
 
 
 def _combine(y, rows, weights, impl):
