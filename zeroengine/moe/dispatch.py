@@ -36,11 +36,12 @@ class DispatchPlan:
     rows: torch.Tensor
     weights: torch.Tensor
     counts: list[int]
+    checked: bool = False  # maps from the fused gate kernel: in range by construction
 
     @classmethod
     def from_gate(cls, gate: GateOutput) -> "DispatchPlan":
         if getattr(gate, "rows", None) is not None:  # the fused gate built the maps (moe/fused_gate.py)
-            return cls(gate.index, gate.rows, gate.weights, gate.kept_counts.tolist())
+            return cls(gate.index, gate.rows, gate.weights, gate.kept_counts.tolist(), checked=True)
         tokens, k = gate.expert_index.shape
         kept_flat = gate.kept.t().reshape(-1)
         # gate.order sorts assignments by expert with the kept ones first in each expert.
@@ -56,9 +57,10 @@ class LocalDispatch:
 
     def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts, impl: str = "auto") -> torch.Tensor:
         if runs_per_module(experts):  # one input and one output tensor per expert: nothing concatenated
-            chunks = permute_tokens_split(x, plan.index, plan.rows, plan.counts, impl=impl)
+            chunks = permute_tokens_split(x, plan.index, plan.rows, plan.counts, impl=impl, checked=plan.checked)
             ys = [expert(chunk) for expert, chunk in zip(experts, chunks)]
-            return unpermute_combine_segments(ys, plan.rows, plan.weights, covers_all=True, impl=impl)
+            return unpermute_combine_segments(ys, plan.rows, plan.weights, covers_all=True, impl=impl,
+                                              checked=plan.checked)
         permuted = permute_tokens(x, plan.index, plan.rows, impl=impl)
         y = run_experts(experts, permuted, plan.counts)
         return unpermute_combine(y, plan.rows, plan.weights, covers_all=True, impl=impl)

@@ -188,13 +188,14 @@ def unpermute_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor
 # -- per-expert segments ----------------------------------------------------------------------------
 class _PermuteSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, index, rows, counts, impl):
+    def forward(ctx, x, index, rows, counts, impl, checked):
         ctx.save_for_backward(rows)
-        ctx.impl = impl
+        ctx.impl, ctx.checked = impl, checked
         kernel = _kernel(x, impl)
         if kernel is None:
             return tuple(gather_rows_reference(x, part) for part in index.split(counts))
-        _check_range(index, 0, x.shape[0], "gather_rows")
+        if not checked:
+            _check_range(index, 0, x.shape[0], "gather_rows")
         return tuple(kernel.gather_rows_split(x.contiguous(), index, counts))
 
     @staticmethod
@@ -205,27 +206,29 @@ class _PermuteSplit(torch.autograd.Function):
         if kernel is None:
             grad_x = combine_rows_reference(torch.cat(grads), rows, None)
         else:
-            _check_range(rows, -1, sum(g.shape[0] for g in grads), "combine_rows")
+            if not ctx.checked:
+                _check_range(rows, -1, sum(g.shape[0] for g in grads), "combine_rows")
             grad_x = kernel.combine_segments(grads, rows, None)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 class _CombineSegments(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, weights, covers_all, impl, *ys):
+    def forward(ctx, rows, weights, covers_all, impl, checked, *ys):
         ys = tuple(y.contiguous() for y in ys)
         ctx.save_for_backward(rows, weights, *ys)
         ctx.covers_all, ctx.impl = covers_all, impl
         kernel = _kernel(ys[0], impl)
         if kernel is None:
             return combine_rows_reference(torch.cat(ys), rows, weights)
-        _check_range(rows, -1, sum(y.shape[0] for y in ys), "combine_rows")
+        if not checked:  # (backward reuses the same rows against the same row count)
+            _check_range(rows, -1, sum(y.shape[0] for y in ys), "combine_rows")
         return kernel.combine_segments(list(ys), rows, weights)
 
     @staticmethod
     def backward(ctx, grad):
         rows, weights, *ys = ctx.saved_tensors
-        need_y = any(ctx.needs_input_grad[4:])
+        need_y = any(ctx.needs_input_grad[5:])
         need_w = ctx.needs_input_grad[1] and weights is not None
         kernel = _kernel(ys[0], ctx.impl)
         if kernel is None:
@@ -235,18 +238,21 @@ class _CombineSegments(torch.autograd.Function):
             grad_w, *grad_ys = kernel.combine_segments_backward(grad.contiguous(), ys, rows, weights, need_y, need_w,
                                                                not ctx.covers_all)
             grad_ys = grad_ys if need_y else [None] * len(ys)
-        return (None, grad_w if need_w else None, None, None, *grad_ys)
+        return (None, grad_w if need_w else None, None, None, None, *grad_ys)
 
 
 def permute_tokens_split(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, counts: list[int],
-                         impl: str = "auto") -> tuple[torch.Tensor, ...]:
-    """:func:`permute_tokens` returned as one tensor per expert (``counts[e]`` consecutive rows each)."""
-    return _PermuteSplit.apply(x, index, rows, list(counts), impl)
+                         impl: str = "auto", checked: bool = False) -> tuple[torch.Tensor, ...]:
+    """:func:`permute_tokens` returned as one tensor per expert (``counts[e]`` consecutive rows each).
+    ``checked=True`` skips the index range check (maps built by the fused gate kernel are in range)."""
+    return _PermuteSplit.apply(x, index, rows, list(counts), impl, checked)
 
 
 def unpermute_combine_segments(ys, rows: torch.Tensor, weights: torch.Tensor | None = None,
-                               covers_all: bool = False, impl: str = "auto") -> torch.Tensor:
-    """:func:`unpermute_combine` of the concatenation of ``ys`` (rows index into it), without concatenating."""
+                               covers_all: bool = False, impl: str = "auto", checked: bool = False) -> torch.Tensor:
+    """:func:`unpermute_combine` of the concatenation of ``ys`` (rows index into it), without concatenating
+    (``checked`` as in :func:`permute_tokens_split`)."""
     if weights is not None and weights.dtype != torch.float32:
         weights = weights.float()
-    return _CombineSegments.apply(rows, None if weights is None else weights.contiguous(), covers_all, impl, *ys)
+    return _CombineSegments.apply(rows, None if weights is None else weights.contiguous(), covers_all, impl,
+                                  checked, *ys)

@@ -100,14 +100,20 @@ void combine_kernel(const T* const* yrow, const int64_t* rows, const float* w, T
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
       Acc* acc = kInPlace ? reinterpret_cast<Acc*>(out + t * d) : buf.data();
-      std::fill(acc, acc + d, Acc(0));
+      bool first = true;  // the first kept row is assigned, not added to zeros (one pass less)
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = rows[t * k + j];
         if (r < 0) continue;
         const Acc wj = w ? static_cast<Acc>(w[t * k + j]) : Acc(1);
         const T* yr = yrow[r];
-        for (int64_t c = 0; c < d; ++c) acc[c] += wj * static_cast<Acc>(yr[c]);
+        if (first) {
+          for (int64_t c = 0; c < d; ++c) acc[c] = wj * static_cast<Acc>(yr[c]);
+          first = false;
+        } else {
+          for (int64_t c = 0; c < d; ++c) acc[c] += wj * static_cast<Acc>(yr[c]);
+        }
       }
+      if (first) std::fill(acc, acc + d, Acc(0));
       if constexpr (!kInPlace) {
         T* o = out + t * d;
         for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c]);
