@@ -52,6 +52,26 @@ def base_config(micro: int, gas: int, world: int, clip: float, lr: float = 1e-2,
     }
 
 
+def engine_losses(engine, batches, rank: int, world: int, device=None) -> list[float]:
+    """Train ``engine`` on ``batches`` (global_batches' layout): forward, backward and step per micro-step.
+
+    Returns each global step's loss, averaged over its micro-steps and over the ranks (a world of 1 is
+    not reduced). ``device``: where to move the batch first (CUDA tests)."""
+    from zeroengine import comm
+
+    losses = []
+    for step in batches:
+        total = 0.0
+        for micro_step in step:
+            x, y = micro_step[rank] if device is None else (t.to(device) for t in micro_step[rank])
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / len(step)
+        losses.append(comm.all_reduce_scalar(total) / world if world > 1 else total)
+    return losses
+
+
 def reference_run(steps: int, gas: int, world: int, micro: int, clip: float, lr: float = 1e-2):
     """Plain single-process training on the same global batches; returns (losses, final params)."""
     model = make_model()

@@ -6,10 +6,9 @@ a no-op, so these tests pin down placement and numbers; tests/gpu covers the
 copies to and from a CUDA device.
 """
 import pytest
-import torch
 
 import zeroengine
-from parity import base_config, global_batches, make_model, reference_run
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from test_zero_parity import _assert_matches_reference, full_state
 from zeroengine.testing import run_distributed
 
@@ -24,16 +23,7 @@ def train_offloaded(rank, world, dtype, offload_optimizer):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
     shard = engine.optimizer.flat_params.shard
     assert shard.device.type == "cpu" and shard.dtype == engine.policy.param_dtype
-    losses = []
-    for step in global_batches(STEPS, 2, world, 2):
-        total = 0.0
-        for micro_step in step:
-            x, y = micro_step[rank]
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / 2
-        losses.append(zeroengine.comm.all_reduce_scalar(total) / world)
+    losses = engine_losses(engine, global_batches(STEPS, 2, world, 2), rank, world)
     mem = engine.memory_breakdown()
     assert mem["device"] == 0 and mem["cpu"] >= mem["params"] > 0
     return losses, full_state(engine), engine.global_steps

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zeroengine
-from parity import base_config, global_batches, make_model, reference_run
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters
 
@@ -23,16 +23,7 @@ def train_with_engine(rank, world, stage, dtype, gas, clip, micro=2, steps=STEPS
     if offload:  # the config's AdamW became the C++ CPU Adam, stepping fp32 masters in CPU memory
         assert type(engine.optimizer.optimizer).__name__ == "CPUAdam"
         assert engine.memory_breakdown()["master_params"] > 0
-    losses = []
-    for step in global_batches(steps, gas, world, micro):
-        step_loss = 0.0
-        for micro_step in step:
-            x, y = micro_step[rank]
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / gas
-        losses.append(zeroengine.comm.all_reduce_scalar(step_loss) / world)
+    losses = engine_losses(engine, global_batches(steps, gas, world, micro), rank, world)
     return losses, full_state(engine), engine.global_steps
 
 

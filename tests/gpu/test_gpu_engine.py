@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import zeroengine
-from parity import base_config, global_batches, make_model, reference_run
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from zeroengine.zero import GatheredParameters
 
 pytestmark = pytest.mark.gpu
@@ -20,16 +20,7 @@ def _train(stage, dtype, gas=2, clip=0.5, offload=False):
         assert mem["cpu"] >= mem["master_params"] > 0  # masters (and, after a step, Adam state) in host memory
         assert all(c.is_pinned() for c in engine.optimizer.chunks)
     assert engine.device.type == "cuda"
-    losses = []
-    for step in global_batches(STEPS, gas, 1, 4):
-        total = 0.0
-        for micro_step in step:
-            x, y = (t.cuda() for t in micro_step[0])
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / gas
-        losses.append(total)
+    losses = engine_losses(engine, global_batches(STEPS, gas, 1, 4), 0, 1, device="cuda")
     with GatheredParameters(list(engine.module.parameters())):
         return losses, {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
 

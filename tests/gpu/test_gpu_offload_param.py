@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import zeroengine
-from parity import base_config, global_batches, make_model, reference_run
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from zeroengine.zero import GatheredParameters
 
 pytestmark = pytest.mark.gpu
@@ -20,16 +20,7 @@ def test_offloaded_params_on_cuda(dtype):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
     shard = engine.optimizer.flat_params.shard
     assert shard.device.type == "cpu" and shard.is_pinned()
-    losses = []
-    for step in global_batches(STEPS, 2, 1, 4):
-        total = 0.0
-        for micro_step in step:
-            x, y = (t.cuda() for t in micro_step[0])
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / 2
-        losses.append(total)
+    losses = engine_losses(engine, global_batches(STEPS, 2, 1, 4), 0, 1, device="cuda")
     mem = engine.memory_breakdown()
     # Between steps no parameter is on the device (base_config sets the persistence threshold to 0).
     assert mem["cpu"] >= mem["params"] > 0
