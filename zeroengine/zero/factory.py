@@ -173,12 +173,12 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
 
 
 def _check_gather_order(buffers) -> None:
-    names = {tag: [[b_.names[s.index] for s in bucket.slots] for bucket in b_.layout.buckets]
-             for tag, b_ in enumerate(buffers) if b_ is not None}
-    check = GatherOrderCheck(names)
-    for tag, b_ in enumerate(buffers):
-        if b_ is not None:
-            b_.order_check, b_.order_tag = check, tag
+    """One GatherOrderCheck for the model's buffers, each tagged by its position (trainable 0, frozen 1)."""
+    tagged = [(tag, buf) for tag, buf in enumerate(buffers) if buf is not None]
+    check = GatherOrderCheck({tag: [[buf.names[s.index] for s in bucket.slots] for bucket in buf.layout.buckets]
+                              for tag, buf in tagged})
+    for tag, buf in tagged:
+        buf.order_check, buf.order_tag = check, tag
 
 
 def _shifted(bucket, offset: int):

@@ -113,15 +113,14 @@ class PartitionedParamBuffer(ParamBuffer):
                                                                                            dtype)
                 self.chunk_view(bucket, rank).copy_(chunk)
         self.full: list[torch.Tensor | None] = [None] * len(layout.buckets)  # set while gathered / in flight
-        # One full-size tensor per bucket for the buffer's lifetime; its storage is freed (resized to 0)
-        # on release and re-allocated for the next gather (see "Note: one storage per bucket").
+        # One full-size tensor per bucket for the buffer's lifetime; a release takes its memory away and
+        # the next gather gives it memory again (see "Note: one storage per bucket" and "reusing memory").
         self._storage: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._pending: list[object | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         self._release_pages = host_memory.return_freed_memory() and host_memory.can_drop_pages(self._empty)
         # CPU: released memory is kept for the next gather of the same size (see "Note: reusing memory")
-        self._swap_storage = self.device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-        self._spares: dict[int, list[torch.Tensor]] = {}  # padded size -> idle full-size memory
+        self._spares = _Spares() if self.device.type == "cpu" and _Spares.supported() else None
         for bucket in layout.buckets:
             self._point_at_nothing(bucket)
         for bucket in layout.buckets:
@@ -145,19 +144,7 @@ class PartitionedParamBuffer(ParamBuffer):
     def _launch(self, bucket: Bucket, label: str, async_op: bool):
         if self.order_check is not None:  # every rank gathers this bucket now, or all raise (see gather_order)
             self.order_check.verify(self.order_tag, bucket, label)
-        full = self._storage[bucket.index]
-        spares = self._spares.get(bucket.padded_numel)  # memory released buckets of this size left here
-        if not spares and self._spares:
-            self._drop_spares_beyond_peak(bucket.padded_numel)
-        if full is None:
-            full = self._storage[bucket.index] = spares.pop() if spares else torch.empty(
-                bucket.padded_numel, dtype=self.dtype, device=self.device)
-        elif full.untyped_storage().nbytes() == 0:
-            if spares:  # move the spare memory under this bucket's own storage
-                full.untyped_storage()._swap_data_ptr_(spares.pop().untyped_storage())
-            else:
-                full.untyped_storage().resize_(bucket.padded_numel * full.element_size())
-        self.full[bucket.index] = full
+        full = self.full[bucket.index] = self._with_memory(bucket)
         if bucket.index not in self.persistent:
             self.stats.live_numel += bucket.padded_numel
             self.stats.peak_live_numel = max(self.stats.peak_live_numel, self.stats.live_numel)
@@ -212,19 +199,36 @@ class PartitionedParamBuffer(ParamBuffer):
             self._pending[bucket.index].wait()
             self._pending[bucket.index] = None
         self.full[bucket.index] = None
-        storage = self._storage[bucket.index]
-        if self._release_pages:
-            host_memory.drop_pages(storage)
-        elif self._swap_storage:  # keep the memory for the next gather of this size (see the note)
-            spare = torch.empty(0, dtype=self.dtype, device=self.device)
-            storage.untyped_storage()._swap_data_ptr_(spare.untyped_storage())
-            self._spares.setdefault(bucket.padded_numel, []).append(spare.set_(spare.untyped_storage(), 0,
-                                                                               (bucket.padded_numel,)))
-        else:
-            storage.untyped_storage().resize_(0)
+        self._without_memory(bucket)
         if bucket.index not in self.persistent:
             self.stats.live_numel -= bucket.padded_numel
         self._point_at_nothing(bucket)
+
+    def _with_memory(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's full-size tensor, with memory behind it (see the module's notes)."""
+        numel = bucket.padded_numel
+        full = self._storage[bucket.index]
+        spare = None
+        if self._spares is not None:
+            spare = self._spares.take(numel, self.stats.live_numel, self.stats.peak_live_numel)
+        if full is None:
+            full = self._storage[bucket.index] = spare if spare is not None else torch.empty(
+                numel, dtype=self.dtype, device=self.device)
+        elif full.untyped_storage().nbytes() == 0:
+            if spare is not None:  # move the spare memory under this bucket's own storage
+                full.untyped_storage()._swap_data_ptr_(spare.untyped_storage())
+            else:
+                full.untyped_storage().resize_(numel * full.element_size())
+        return full
+
+    def _without_memory(self, bucket: Bucket) -> None:
+        storage = self._storage[bucket.index]
+        if self._release_pages:
+            host_memory.drop_pages(storage)
+        elif self._spares is not None:  # keep the memory for the next gather of this size
+            self._spares.keep(storage)
+        else:
+            storage.untyped_storage().resize_(0)
 
     def _point_at_full(self, bucket: Bucket) -> None:
         full = self.full[bucket.index]
@@ -278,20 +282,45 @@ class PartitionedParamBuffer(ParamBuffer):
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.shard] + [f for f in self.full if f is not None]
 
-    def _drop_spares_beyond_peak(self, numel: int) -> None:
-        """About to allocate ``numel`` afresh: free spares of other sizes so that gathered plus spare memory
-        stays within the most ever gathered at once (spares of one size cannot serve another)."""
-        bound = max(self.stats.peak_live_numel, self.stats.live_numel + numel)
-        held = self.stats.live_numel + numel + sum(t.numel() for t in self.spare_tensors())
-        for size in sorted(self._spares, reverse=True):
-            while held > bound and self._spares[size]:
-                self._spares[size].pop()
-                held -= size
-        self._spares = {size: spares for size, spares in self._spares.items() if spares}
-
     def spare_tensors(self) -> list[torch.Tensor]:
-        """Idle memory kept for the next gathers (at most the most buckets ever gathered at once, per size)."""
-        return [t for spares in self._spares.values() for t in spares]
+        """Idle memory kept for the next gathers (within the most ever gathered at once)."""
+        return [] if self._spares is None else self._spares.tensors()
+
+
+class _Spares:
+    """Memory released CPU buckets left behind, by padded size, for the next gathers ("Note: reusing memory")."""
+
+    def __init__(self):
+        self._by_size: dict[int, list[torch.Tensor]] = {}
+
+    @staticmethod
+    def supported() -> bool:
+        return hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13
+
+    def keep(self, full: torch.Tensor) -> None:
+        """Move ``full``'s memory into a new spare; ``full``'s storage is left with 0 bytes."""
+        spare = torch.empty(0, dtype=full.dtype, device=full.device)
+        full.untyped_storage()._swap_data_ptr_(spare.untyped_storage())
+        self._by_size.setdefault(full.numel(), []).append(spare.set_(spare.untyped_storage(), 0, full.shape))
+
+    def take(self, numel: int, live_numel: int, peak_numel: int) -> torch.Tensor | None:
+        """A spare of ``numel`` elements, or None; in that case ``numel`` is about to be allocated afresh, so
+        spares of other sizes are freed until gathered (``live_numel``) plus spare memory stays within the
+        most ever gathered at once (``peak_numel``): spares of one size cannot serve another."""
+        spares = self._by_size.get(numel)
+        if spares:
+            return spares.pop()
+        held = live_numel + numel + sum(t.numel() for t in self.tensors())
+        bound = max(peak_numel, live_numel + numel)
+        for size in sorted(self._by_size, reverse=True):
+            while held > bound and self._by_size[size]:
+                self._by_size[size].pop()
+                held -= size
+        self._by_size = {size: kept for size, kept in self._by_size.items() if kept}
+        return None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for kept in self._by_size.values() for t in kept]
 
 
 class _Done:
