@@ -18,10 +18,14 @@ import torch
 _WIDTH = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
-def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_optimizer: bool = False,
+def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_optimizer: bool | float = False,
                     offload_param: bool = False, dtype: torch.dtype = torch.float32,
                     optimizer_state_bytes_per_param: int = 8) -> dict[str, float]:
-    """Predicted bytes of model states on one rank, by kind and by place ("device" / "cpu")."""
+    """Predicted bytes of model states on one rank, by kind and by place ("device" / "cpu").
+
+    ``offload_optimizer`` may be a fraction (``offload_optimizer.ratio``, partial offload): that share of
+    the masters and optimizer state is in CPU memory, the rest on the device; in fp32 training only the
+    offloaded share has masters (the resident share steps the parameters themselves)."""
     if isinstance(model_or_param_count, torch.nn.Module):
         psi = sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad)
     else:
@@ -30,7 +34,10 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    if offload_optimizer and stage == 0:
+    ratio = float(offload_optimizer)
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"offload_optimizer must be a bool or a fraction within [0, 1], got {offload_optimizer}")
+    if ratio > 0 and stage == 0:
         raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
     if offload_param and stage != 3:
         raise ValueError("parameter offload needs ZeRO stage 3")
@@ -38,14 +45,13 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     width, n = _WIDTH[dtype], world_size
     sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
-    has_master = dtype != torch.float32 or offload_optimizer
+    stepped = psi / (n if sharded["optimizer"] else 1)  # elements this rank's optimizer steps
     est = {
         "params": width * psi / (n if sharded["params"] else 1),
         "grads": width * psi / (n if sharded["grads"] else 1),
-        "master_params": (4 * psi / (n if sharded["optimizer"] else 1)) if has_master else 0.0,
-        "optimizer_states": optimizer_state_bytes_per_param * psi / (n if sharded["optimizer"] else 1),
+        "master_params": 4 * stepped * (1.0 if dtype != torch.float32 else ratio),
+        "optimizer_states": optimizer_state_bytes_per_param * stepped,
     }
-    on_cpu = (est["master_params"] + est["optimizer_states"] if offload_optimizer else 0.0) + (
-        est["params"] if offload_param else 0.0)
+    on_cpu = ratio * (4 + optimizer_state_bytes_per_param) * stepped + (est["params"] if offload_param else 0.0)
     total = sum(est.values())
     return {**est, "cpu": on_cpu, "device": total - on_cpu, "total": total}

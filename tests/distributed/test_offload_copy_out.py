@@ -1,7 +1,9 @@
 """Offloaded 16-bit training: the C++ CPU Adam writes the 16-bit copy in its own pass.
 
 The fused copy-out must be invisible in the numbers: the same run with the
-separate conversion pass gives bit-identical weights.
+separate conversion pass gives bit-identical weights. So must partial offload
+(offload_optimizer.ratio): resident buckets unscale, clip, step and convert in
+that order too.
 """
 import pytest
 import torch
@@ -37,3 +39,24 @@ def test_fused_copy_out_equals_the_separate_conversion(stage):
         assert losses_f == losses_p
         for name, value in state_p.items():
             assert torch.equal(state_f[name], value), name
+
+
+def partially_offloaded_bf16(rank, world, stage, ratio):
+    cfg = config(world, stage, "bf16", offload=True)
+    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    zero = engine.optimizer
+    resident = [b.index for b in zero.layout.buckets if not zero.on_host(b.index)]
+    assert all((zero.copy_out is None) or (zero.copy_out[b] is None) for b in resident)
+    return train(engine, rank, world, 0, 3), full_state(engine), len(resident)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_partial_offload_equals_full_offload_bitwise(stage):
+    full = run_distributed(partially_offloaded_bf16, 2, stage, 1.0)
+    partial = run_distributed(partially_offloaded_bf16, 2, stage, 0.5)
+    for (losses_f, state_f, resident_f), (losses_p, state_p, resident_p) in zip(full, partial):
+        assert resident_f == 0 and resident_p > 0
+        assert losses_f == losses_p
+        for name, value in state_f.items():
+            assert torch.equal(state_p[name], value), name

@@ -17,14 +17,33 @@ STEPS = 6
 def train_with_engine(rank, world, stage, dtype, gas, clip, micro=2, steps=STEPS, overlap=False, offload=False):
     cfg = base_config(micro, gas, world, clip, dtype=dtype, stage=stage)
     cfg["zero_optimization"]["overlap_comm"] = overlap
-    if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload:  # True, or a float: offload_optimizer.ratio
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True,
+                                                         "ratio": 1.0 if offload is True else offload}
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
     if offload:  # the config's AdamW became the C++ CPU Adam, stepping fp32 masters in CPU memory
         assert type(engine.optimizer.optimizer).__name__ == "CPUAdam"
         assert engine.memory_breakdown()["master_params"] > 0
+    if offload is not True and offload:
+        _check_partial_offload(engine.optimizer, offload)
     losses = engine_losses(engine, global_batches(steps, gas, world, micro), rank, world)
     return losses, full_state(engine), engine.global_steps
+
+
+def _check_partial_offload(zero, ratio):
+    """Offloaded buckets have fp32 masters of their own in CPU memory; resident ones (fp32 training) step the
+    parameters' own storage; masters are exactly the offloaded elements."""
+    host = [b.index for b in zero.layout.buckets if zero.on_host(b.index)]
+    assert 0 < len(host) < len(zero.layout.buckets)
+    assert abs(zero.placement.fraction - ratio) <= max(b.chunk_numel for b in zero.layout.buckets) / (
+        2 * zero.placement.total_numel)
+    own_storage = {zero.flat_params.held_tensors()[0].untyped_storage().data_ptr()}
+    for b in zero.layout.buckets:
+        aliases_params = zero.chunks[b.index].untyped_storage().data_ptr() in own_storage
+        assert aliases_params != zero.on_host(b.index), b.index
+    host_numel = sum(zero.layout.buckets[b].chunk_numel for b in host)
+    assert host_numel == zero.placement.host_numel
+    assert zero.memory_tally().by_kind["master_params"] == 4 * host_numel
 
 
 def full_state(engine):
@@ -55,6 +74,15 @@ def test_fp32_matches_single_process(stage, world, gas, clip):
 def test_optimizer_offload_matches_single_process(stage):
     ref_losses, ref_params = reference_run(STEPS, 2, 2, micro=2, clip=0.5)
     results = run_distributed(train_with_engine, 2, stage, "fp32", 2, 0.5, offload=True)
+    _assert_matches_reference(results, ref_losses, ref_params, tol=1e-5)
+
+
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 4), (3, 2)])
+def test_partial_optimizer_offload_matches_single_process(stage, world):
+    """offload_optimizer.ratio 0.5: half the buckets step in CPU memory, half beside the parameters; the
+    gradient norm, clipping and refresh span both, so any slip shows against the reference."""
+    ref_losses, ref_params = reference_run(STEPS, 2, world, micro=2, clip=0.5)
+    results = run_distributed(train_with_engine, world, stage, "fp32", 2, 0.5, offload=0.5)
     _assert_matches_reference(results, ref_losses, ref_params, tol=1e-5)
 
 

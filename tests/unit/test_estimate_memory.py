@@ -27,8 +27,23 @@ def test_offload_moves_masters_and_state_to_cpu_and_takes_a_module():
     assert fp32["master_params"] == 4 * psi / 2 and fp32["cpu"] == pytest.approx((4 + 4 + 8) * psi / 2)
 
 
+def test_partial_offload_splits_masters_and_state_by_the_ratio():
+    bf16 = zeroengine.estimate_memory(PSI, 1, 3, offload_optimizer=0.75, dtype=torch.bfloat16)
+    assert bf16["total"] == pytest.approx(16 * PSI)  # same model states, only their place changes
+    assert bf16["cpu"] == pytest.approx(0.75 * 12 * PSI)
+    assert bf16["device"] == pytest.approx((2 + 2 + 0.25 * 12) * PSI)
+    # fp32: only the offloaded share has masters (the resident share steps the parameters in place)
+    fp32 = zeroengine.estimate_memory(PSI, 2, 2, offload_optimizer=0.5)
+    assert fp32["master_params"] == pytest.approx(4 * PSI / 2 * 0.5)
+    assert fp32["cpu"] == pytest.approx(0.5 * 12 * PSI / 2)
+    full, none = (zeroengine.estimate_memory(PSI, 2, 2, offload_optimizer=r) for r in (1.0, 0.0))
+    assert full == zeroengine.estimate_memory(PSI, 2, 2, offload_optimizer=True)
+    assert none == zeroengine.estimate_memory(PSI, 2, 2)
+
+
 @pytest.mark.parametrize("kwargs", [dict(stage=4), dict(stage=0, offload_optimizer=True), dict(stage=2, offload_param=True),
-                                    dict(stage=1, dtype=torch.int8), dict(stage=1, world_size=0)])
+                                    dict(stage=1, dtype=torch.int8), dict(stage=1, world_size=0),
+                                    dict(stage=2, offload_optimizer=1.5), dict(stage=2, offload_optimizer=-0.5)])
 def test_bad_arguments(kwargs):
     args = dict(model_or_param_count=10, world_size=2, stage=1) | kwargs
     with pytest.raises(ValueError):

@@ -323,7 +323,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("pipeline_read", off_value(False), "NVMe offload read pipelining"),
         Unsupported("pipeline_write", off_value(False), "NVMe offload write pipelining"),
         Unsupported("fast_init", off_value(False), "NVMe offload fast initialization"),
-        Unsupported("ratio", off_value(1.0), "partial optimizer offload"),
         Unsupported("super_offload", off_value(False), "SuperOffload for Superchips"),
         Unsupported("cpuadam_cores_perc", ANY_FRACTION, "share of CPU cores SuperOffload's CPU Adam uses "
                     "(SuperOffload only; zeroengine's CPU Adam uses torch's threads)"),

@@ -24,48 +24,54 @@ import torch
 
 
 class OffloadedStep:
+    """Steps the offloaded buckets ``buckets`` (layout indices, ascending) of a rank's chunks."""
+
     def __init__(self, optimizer, layout, rank: int, pieces: list[list[torch.nn.Parameter]],
-                 copy_out: list[torch.Tensor] | None, pin_memory: bool):
+                 copy_out: list[torch.Tensor | None] | None, pin_memory: bool, buckets: list[int] | None = None):
         self.optimizer = optimizer
         self.layout = layout
         self.rank = rank
         self.pieces = pieces
         self.copy_out = copy_out
-        largest = max((b.chunk_numel for b in layout.buckets), default=0)
+        self.buckets = list(range(len(layout.buckets))) if buckets is None else sorted(buckets)
+        largest = max((layout.buckets[b].chunk_numel for b in self.buckets), default=0)
         pin = pin_memory and torch.cuda.is_available()
-        self.host_grads = [torch.empty(largest, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.host_grads = [torch.empty(largest, dtype=torch.float32, pin_memory=pin)
+                           for _ in range(min(2, len(self.buckets)))]
         self._stream = None
         self._pending: list[tuple] = [None, None]
 
     @torch.no_grad()
     def run(self, device_grads: list[torch.Tensor | None], inv_scale: float, clip_coef: float,
             bucket_done=None) -> None:
-        """Step every bucket: ``device_grads[b]`` is bucket b's (loss-scaled) gradient chunk on the accelerator;
-        ``bucket_done(b)`` (optional) starts sending bucket b's updated values back while b+1 steps."""
-        buckets = self.layout.buckets
-        for b in range(min(2, len(buckets))):
-            self._copy_down(b, device_grads[b])
-        for b, bucket in enumerate(buckets):
-            grad = self._wait(b)
+        """Step the offloaded buckets: ``device_grads[b]`` is bucket b's (loss-scaled) gradient chunk on the
+        accelerator; ``bucket_done(b)`` (optional) starts sending bucket b's updated values back while the
+        next bucket steps."""
+        order = self.buckets
+        for i in range(min(2, len(order))):
+            self._copy_down(i, order[i], device_grads[order[i]])
+        for i, b in enumerate(order):
+            grad = self._wait(i, b)
             if inv_scale != 1.0:
                 grad.mul_(inv_scale)
             if clip_coef != 1.0:
                 grad.mul_(clip_coef)
-            self._step_bucket(b, bucket, grad)
+            self._step_bucket(b, self.layout.buckets[b], grad)
             if bucket_done is not None:
                 bucket_done(b)
-            if b + 2 < len(buckets):  # the buffer bucket b used is free again
-                self._copy_down(b + 2, device_grads[b + 2])
+            if i + 2 < len(order):  # the buffer this bucket used is free again
+                self._copy_down(i + 2, order[i + 2], device_grads[order[i + 2]])
 
-    def _copy_down(self, b: int, grad: torch.Tensor | None) -> None:
-        host = self.host_grads[b % 2][:self.layout.buckets[b].chunk_numel]
+    def _copy_down(self, i: int, b: int, grad: torch.Tensor | None) -> None:
+        """Copy bucket b's gradient chunk (the i-th offloaded bucket) into host buffer i % 2."""
+        host = self.host_grads[i % 2][:self.layout.buckets[b].chunk_numel]
         if grad is None:  # a bare step() with no backward: zero gradients, as the in-memory path uses
             host.zero_()
-            self._pending[b % 2] = (b, None, None)
+            self._pending[i % 2] = (b, None, None)
             return
         if grad.device.type != "cuda":
             host.copy_(grad)
-            self._pending[b % 2] = (b, None, None)
+            self._pending[i % 2] = (b, None, None)
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=grad.device)
@@ -75,15 +81,15 @@ class OffloadedStep:
             host.copy_(widened, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
-        self._pending[b % 2] = (b, done, widened)  # keep the device temporary alive until the copy is done
+        self._pending[i % 2] = (b, done, widened)  # keep the device temporary alive until the copy is done
 
-    def _wait(self, b: int) -> torch.Tensor:
-        pending_b, event, _ = self._pending[b % 2]
+    def _wait(self, i: int, b: int) -> torch.Tensor:
+        pending_b, event, _ = self._pending[i % 2]
         assert pending_b == b, "offload pipeline out of order"
         if event is not None:
             event.synchronize()
-        self._pending[b % 2] = None
-        return self.host_grads[b % 2][:self.layout.buckets[b].chunk_numel]
+        self._pending[i % 2] = None
+        return self.host_grads[i % 2][:self.layout.buckets[b].chunk_numel]
 
     def _step_bucket(self, b: int, bucket, grad: torch.Tensor) -> None:
         wheres = bucket.pieces_in_chunk(self.rank)

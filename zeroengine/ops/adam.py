@@ -7,13 +7,14 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from zeroengine.ops._adam_common import AdamBase, AdamHyper, _reference_adam_step, run_closure
-from zeroengine.ops.fused_adam import FusedAdam
+from zeroengine.ops.fused_adam import FusedAdam, load_cuda_kernel, multi_tensor_step
 from zeroengine.ops.builder import load_kernel
 from zeroengine.ops.op_builders import CPUAdamBuilder
 
 __all__ = ["CPUAdam", "FusedAdam"]
 
 _COPY_DTYPES = (torch.bfloat16, torch.float16)
+_NOT_LOADED = object()
 
 
 class CPUAdam(AdamBase):
@@ -28,6 +29,10 @@ class CPUAdam(AdamBase):
 
     The kernel takes contiguous fp32 params (master weights); any other param
     gets the reference step. Moments are fp32 whatever the param dtype.
+
+    Params on an accelerator (the buckets partial offload, ``offload_optimizer.ratio``,
+    keeps there) are stepped where they are, by FusedAdam's multi-tensor step,
+    so one optimizer (one set of param groups, one state dict) covers both.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -37,6 +42,7 @@ class CPUAdam(AdamBase):
             raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
         super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, amsgrad)
         self._kernel = None if impl == "torch" else _load_kernel(required=impl == "cpp")
+        self._device_kernel = _NOT_LOADED  # FusedAdam's CUDA op, loaded when a CUDA param first steps
         self.backend = f"cpp-{self._kernel.simd_level()}" if self._kernel else "torch"
 
     @torch.no_grad()
@@ -47,10 +53,24 @@ class CPUAdam(AdamBase):
         copy_to = copy_to or {}
         for group in self.param_groups:
             hyper = AdamHyper.from_group(group)
+            on_device = []
             for param in group["params"]:
-                if param.grad is not None:
+                if param.grad is None:
+                    continue
+                if param.device.type == "cpu":
                     self._update(param, hyper, copy_to.get(param))
+                else:
+                    on_device.append(param)
+            if on_device:
+                self._step_on_device(on_device, hyper, copy_to)
         return loss
+
+    def _step_on_device(self, params: list[torch.Tensor], hyper: AdamHyper, copy_to: Mapping) -> None:
+        if any(p in copy_to for p in params):
+            raise ValueError("copy targets are for CPU params; a param on an accelerator is updated in place")
+        if self._device_kernel is _NOT_LOADED:
+            self._device_kernel = load_cuda_kernel() if any(p.device.type == "cuda" for p in params) else None
+        multi_tensor_step(self, params, hyper, self._device_kernel)
 
     def step_with_copy(self, copy_to: Mapping[torch.Tensor, torch.Tensor],
                        closure: Callable[[], float] | None = None):
@@ -65,9 +85,6 @@ class CPUAdam(AdamBase):
         return self.step(closure, copy_to=copy_to)
 
     def _update(self, param: torch.Tensor, hyper: AdamHyper, copy_to: torch.Tensor | None) -> None:
-        if param.device.type != "cpu":
-            raise ValueError(f"CPUAdam updates CPU tensors, got one on {param.device}; "
-                             "use FusedAdam for CUDA params")
         if copy_to is not None:
             _check_copy_target(param, copy_to)
         state, step = self._advance_state(param)

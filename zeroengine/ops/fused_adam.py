@@ -11,7 +11,6 @@ from zeroengine.ops.builder import load_kernel
 from zeroengine.ops.op_builders import FusedAdamBuilder
 
 
-
 class FusedAdam(AdamBase):
     """Adam (``adamw_mode=False``) or AdamW; results and state dicts match
     torch.optim.Adam / torch.optim.AdamW.
@@ -37,24 +36,26 @@ class FusedAdam(AdamBase):
     def step(self, closure: Callable[[], float] | None = None):
         loss = run_closure(closure)
         for group in self.param_groups:
-            hyper = AdamHyper.from_group(group)
-            buckets: dict[tuple, list[tuple]] = defaultdict(list)
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state, step = self._advance_state(param)
-                key = (param.device, param.dtype, step)
-                buckets[key].append((param, param.grad, state["exp_avg"], state["exp_avg_sq"]))
-            for (device, _, step), tensors in buckets.items():
-                params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*tensors))
-                if self._kernel is not None and device.type == "cuda" and all(
-                        t.is_contiguous() for t in params):
-                    grads = [g.contiguous() for g in grads]
-                    self._kernel.fused_adam(params, grads, exp_avgs, exp_avg_sqs, step,
-                                            **hyper.kernel_args())
-                else:
-                    _torch_fused_step(params, grads, exp_avgs, exp_avg_sqs, step, hyper)
+            multi_tensor_step(self, [p for p in group["params"] if p.grad is not None], AdamHyper.from_group(group),
+                              self._kernel)
         return loss
+
+
+def multi_tensor_step(optimizer: AdamBase, params: list[torch.Tensor], hyper: AdamHyper, kernel) -> None:
+    """Step ``params`` (all with a .grad) of one param group of ``optimizer``: one kernel launch per
+    (device, dtype, step count) bucket, the CUDA op when ``kernel`` is given, else torch's fused kernel."""
+    buckets: dict[tuple, list[tuple]] = defaultdict(list)
+    for param in params:
+        state, step = optimizer._advance_state(param)
+        key = (param.device, param.dtype, step)
+        buckets[key].append((param, param.grad, state["exp_avg"], state["exp_avg_sq"]))
+    for (device, _, step), tensors in buckets.items():
+        params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*tensors))
+        if kernel is not None and device.type == "cuda" and all(t.is_contiguous() for t in params):
+            grads = [g.contiguous() for g in grads]
+            kernel.fused_adam(params, grads, exp_avgs, exp_avg_sqs, step, **hyper.kernel_args())
+        else:
+            _torch_fused_step(params, grads, exp_avgs, exp_avg_sqs, step, hyper)
 
 
 def _torch_fused_step(params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -80,3 +81,8 @@ def _torch_fused_step(params: list[torch.Tensor], grads: list[torch.Tensor],
 
 def _load_kernel(required: bool):
     return load_kernel(FusedAdamBuilder(), required, "FusedAdam", "torch's fused Adam kernel")
+
+
+def load_cuda_kernel():
+    """The CUDA op for another optimizer's device params (CPUAdam under partial offload), or None."""
+    return _load_kernel(required=False)

@@ -139,8 +139,23 @@ class ExpertShardedOptimizer(ZeroOptimizer):
         return [g for part in self.parts for g in part._unscaled_fp32_grads(inv_scale)]
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        total = comm.all_reduce_scalar(self.local_norm_sq(grads))  # every element owned once in the world
+        # Every element is owned once in the world; each part knows which of its gradients are still scaled.
+        total = comm.all_reduce_scalar(sum(part.local_grad_norm_sq() for part in self.parts))
         return math.sqrt(total) if math.isfinite(total) else float("inf")
+
+    def _clip_grads(self, grads: list[torch.Tensor], coef: float) -> None:
+        for part in self.parts:
+            part._clip_grads(grads, coef)
+
+    def _optimizer_step(self) -> None:
+        # One torch optimizer holds every part's pieces: one step for all resident buckets, then each
+        # part streams its offloaded buckets (see ShardedOptimizer._optimizer_step).
+        if any(part.resident_buckets for part in self.parts):
+            self.optimizer.step()
+        for part in self.parts:
+            part.drop_resident_grads()
+        for part in self.parts:
+            part.step_offloaded()
 
     def _refresh_model_params(self) -> None:
         for part in self.parts:
@@ -160,6 +175,7 @@ class ExpertShardedOptimizer(ZeroOptimizer):
             tally.add("grads", part._fp32_chunk_grads)
             if part.has_master_copy:
                 tally.add("master_params", part.chunks)
+            tally.add("buffers", part.offload_buffers())
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         for part in self.parts:

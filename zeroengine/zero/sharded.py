@@ -9,6 +9,14 @@ K = 8); in 16-bit training it is a view into an fp32 master chunk. After the
 step, each bucket's updated chunks are all-gathered into every rank's
 parameters. Stage 1 and stage 2 differ only in their gradient store
 (:mod:`zeroengine.zero.grad_stores`).
+
+With ``offload_optimizer``, the *offloaded* buckets (all of them, or the
+share ``ratio`` asks for: :mod:`zeroengine.offload.placement`) keep their
+fp32 masters and optimizer state in CPU memory and step there, streamed
+bucket by bucket (:mod:`zeroengine.offload.step`); the other, *resident*
+buckets step beside the parameters first, so an accelerator's step runs
+while the CPU steps. Resident gradients are unscaled where they are; offloaded
+ones are unscaled (and clipped) on the host.
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import torch
 
 from zeroengine import comm
 from zeroengine.memory import MemoryTally
-from zeroengine.offload import OffloadedStep
+from zeroengine.offload import OffloadedStep, place_buckets
 
 from .flat_params import gather_chunk
 from .layout import FlatLayout
@@ -37,28 +45,42 @@ class ShardedOptimizer(ZeroOptimizer):
         self.rank = rank
         self.group = group
         buckets = self.layout.buckets
-        # offload_optimizer: fp32 masters (and so the optimizer state, created beside them) live in
-        # CPU memory, pinned when an accelerator copies to and from them.
+        # offload_optimizer: the offloaded buckets' fp32 masters (and so the optimizer state, created
+        # beside them) live in CPU memory, pinned when an accelerator copies to and from them.
         self.offload = offload
+        self.placement = None if offload is None else place_buckets([b.chunk_numel for b in buckets],
+                                                                   float(offload.ratio))
         if policy.mixed:
             self.chunks = [gather_chunk(fp32_values, b, rank, torch.float32) for b in buckets]
         else:
             self.chunks = [flat_params.chunk_view(b, rank) for b in buckets]
-        if offload is not None:
-            self.chunks = [self._to_host(c) for c in self.chunks]
+        for b in buckets:
+            chunk = self.chunks[b.index]
+            if self.on_host(b.index):
+                self.chunks[b.index] = self._to_host(chunk)
+            elif chunk.device != flat_params.device:  # masters cut from values kept elsewhere (zero.Init)
+                self.chunks[b.index] = chunk.to(flat_params.device)
         self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
+        host = sorted(self.placement.host_buckets) if self.placement is not None else []
         # Offloaded 16-bit training with the C++ CPU Adam: the kernel writes each updated value out in
         # the model's dtype in the same pass (into pinned buffers), so the copy back needs no conversion.
-        self.copy_out: list[torch.Tensor] | None = None
-        if offload is not None and policy.mixed and hasattr(optimizer, "step_with_copy"):
-            self.copy_out = [self._host_buffer(c.shape, policy.param_dtype).copy_(c) for c in self.chunks]
+        self.copy_out: list[torch.Tensor | None] | None = None
+        if host and policy.mixed and hasattr(optimizer, "step_with_copy"):
+            self.copy_out = [self._host_buffer(c.shape, policy.param_dtype).copy_(c) if self.on_host(i) else None
+                             for i, c in enumerate(self.chunks)]
         # Offload: the step streams gradients down bucket by bucket (zeroengine/offload/step.py).
-        self.offloaded_step = None if offload is None else OffloadedStep(
-            optimizer, self.layout, rank, self.pieces, self.copy_out, bool(offload.pin_memory))
+        self.offloaded_step = None if not host else OffloadedStep(
+            optimizer, self.layout, rank, self.pieces, self.copy_out, bool(offload.pin_memory), buckets=host)
+        self.resident_buckets = [b.index for b in buckets if not self.on_host(b.index)]
         self._inv_scale, self._clip_coef = 1.0, 1.0
         self._refreshing: list[tuple] = []
-        self._fp32_chunk_grads: list[torch.Tensor] = []
+        self._fp32_chunk_grads: list[torch.Tensor] = []  # resident buckets' unscaled fp32 gradients
+        self._host_grads: list[torch.Tensor] = []  # offloaded buckets' gradients, still loss-scaled
         self._after_backward = after_backward
+
+    def on_host(self, bucket_index: int) -> bool:
+        """True when the bucket's masters and optimizer state are offloaded to CPU memory."""
+        return self.placement is not None and self.placement.on_host(bucket_index)
 
     def _to_host(self, chunk: torch.Tensor) -> torch.Tensor:
         return self._host_buffer(chunk.shape, torch.float32).copy_(chunk)
@@ -69,8 +91,8 @@ class ShardedOptimizer(ZeroOptimizer):
 
     @property
     def has_master_copy(self) -> bool:
-        """True when the stepped chunks are separate fp32 tensors (16-bit training, or offload)."""
-        return self.policy.mixed or self.offload is not None
+        """True when some stepped chunks are separate fp32 tensors (16-bit training, or offloaded buckets)."""
+        return self.policy.mixed or self.offloaded_step is not None
 
     def _pieces_of(self, bucket_index: int) -> list[torch.nn.Parameter]:
         chunk = self.chunks[bucket_index]
@@ -105,12 +127,16 @@ class ShardedOptimizer(ZeroOptimizer):
             self.chunks[bucket_index].copy_(src)
 
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
-        if self.offloaded_step is not None:
-            # The gradients stay where they were reduced, loss-scaled; the step unscales them on the host.
-            self._inv_scale, self._clip_coef = inv_scale, 1.0
-            return [g for g in self.grad_store.chunk_grads if g is not None]
+        """Resident buckets' gradients unscaled in fp32 (set as their pieces' .grad), then the offloaded
+        buckets' gradients as they are: those stay where they were reduced, loss-scaled, until the
+        offloaded step copies them down and unscales them on the host."""
+        self._inv_scale, self._clip_coef = inv_scale, 1.0
+        self._host_grads = [self.grad_store.chunk_grads[b] for b in range(len(self.layout.buckets))
+                            if self.on_host(b) and self.grad_store.chunk_grads[b] is not None]
         grads = []
         for bucket, chunk_grad, pieces in zip(self.layout.buckets, self.grad_store.chunk_grads, self.pieces):
+            if self.on_host(bucket.index):
+                continue
             if chunk_grad is None:  # never happens after a backward; zeros keep a bare step() well-defined
                 chunk_grad = torch.zeros(bucket.chunk_numel, device=self.chunks[bucket.index].device)
             g = chunk_grad.to(device=self.chunks[bucket.index].device, dtype=torch.float32)
@@ -120,36 +146,56 @@ class ShardedOptimizer(ZeroOptimizer):
                 piece.grad = g[where.chunk_start:where.chunk_start + where.numel]
             grads.append(g)
         self._fp32_chunk_grads = grads
-        return grads
+        return grads + self._host_grads
+
+    def local_grad_norm_sq(self) -> float:
+        """This rank's share of the squared global gradient norm, as if every gradient were unscaled."""
+        local = self.local_norm_sq(self._fp32_chunk_grads)
+        if self._host_grads:  # unscaled by the factor squared: exact for the dynamic scaler's powers of two
+            local += self.local_norm_sq(self._host_grads) * self._inv_scale ** 2
+        return local
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         # Each rank holds a disjoint shard (padding is zero): the squares add up across ranks.
-        local = self.local_norm_sq(grads)
-        if self.offloaded_step is not None:
-            local *= self._inv_scale ** 2  # exact for the dynamic scaler's powers of two
-        total = comm.all_reduce_scalar(local, group=self.group)
+        total = comm.all_reduce_scalar(self.local_grad_norm_sq(), group=self.group)
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def _clip_grads(self, grads: list[torch.Tensor], coef: float) -> None:
-        if self.offloaded_step is not None:
-            self._clip_coef = coef  # applied on the host, after unscaling, as the in-memory path orders it
-        else:
-            super()._clip_grads(grads, coef)
+        if self._fp32_chunk_grads:
+            super()._clip_grads(self._fp32_chunk_grads, coef)
+        self._clip_coef = coef  # offloaded buckets: applied on the host after unscaling, in the same order
 
     def _optimizer_step(self) -> None:
+        if self.resident_buckets:
+            self.optimizer.step()  # only resident pieces have a .grad yet
+        self.drop_resident_grads()
+        self.step_offloaded()
+
+    def drop_resident_grads(self) -> None:
+        """The offloaded step calls the optimizer once per bucket: stepped pieces must not step again."""
+        for b in self.resident_buckets:
+            for piece in self.pieces[b]:
+                piece.grad = None
+
+    def step_offloaded(self) -> None:
+        """After the resident buckets stepped: stream the offloaded ones through the CPU optimizer."""
         if self.offloaded_step is None:
-            super()._optimizer_step()
             return
         values = self._updated_values()
         refresh = getattr(self.flat_params, "start_refresh", None)  # stages 1-2: overlap the copy back
-        bucket_done = None if refresh is None else (
-            lambda b: self._refreshing.append(refresh(self.layout.buckets[b], values[b])))
+        bucket_done = None
+        if refresh is not None:
+            bucket_done = lambda b: self._refreshing.append(refresh(self.layout.buckets[b], values[b]))  # noqa: E731
+            for b in self.resident_buckets:  # their values are final: send them while the CPU steps
+                bucket_done(b)
         self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef, bucket_done)
 
     def _updated_values(self) -> list[torch.Tensor]:
-        """What a step leaves to send back: the 16-bit copies the CPU Adam wrote (offloaded mixed precision,
-        where ``copy_out`` exists), else the updated chunks."""
-        return self.copy_out if self.copy_out is not None else self.chunks
+        """What a step leaves to send back, per bucket: the 16-bit copy the CPU Adam wrote (offloaded
+        buckets in mixed precision, where ``copy_out`` exists), else the updated chunk."""
+        if self.copy_out is None:
+            return self.chunks
+        return [out if out is not None else chunk for out, chunk in zip(self.copy_out, self.chunks)]
 
     def _refresh_model_params(self) -> None:
         # Stages 1-2 all-gather the updated chunks; stage 3 only refreshes its local shard.
@@ -164,7 +210,13 @@ class ShardedOptimizer(ZeroOptimizer):
         for pieces in self.pieces:
             for piece in pieces:
                 piece.grad = None
-        self._fp32_chunk_grads = []
+        self._fp32_chunk_grads, self._host_grads = [], []
+
+    def offload_buffers(self) -> list[torch.Tensor]:
+        """Host buffers the offloaded step keeps (16-bit copy-out targets, the two gradient buffers)."""
+        if self.offloaded_step is None:
+            return []
+        return [t for t in (self.copy_out or []) if t is not None] + self.offloaded_step.held_tensors()
 
     def memory_tally(self) -> MemoryTally:
         tally = MemoryTally()
@@ -175,10 +227,7 @@ class ShardedOptimizer(ZeroOptimizer):
         tally.add("grads", self._fp32_chunk_grads)
         if self.has_master_copy:
             tally.add("master_params", self.chunks)
-        if self.copy_out is not None:
-            tally.add("buffers", self.copy_out)
-        if self.offloaded_step is not None:
-            tally.add("buffers", self.offloaded_step.held_tensors())
+        tally.add("buffers", self.offload_buffers())
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         tally.add("buffers", self.grad_store.comm_buffers())

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..base import ConfigModel
+from ..base import ConfigModel, Fraction
 
 OffloadDevice = Literal["cpu", "none"]
 
@@ -30,6 +30,11 @@ class OffloadOptimizerConfig(ConfigModel):
                     "Required: a block without a device would otherwise do nothing.")
     pin_memory: bool = Field(False, description="Use page-locked CPU buffers, for faster and asynchronous "
                                                 "GPU<->CPU copies (needs CUDA).")
+    ratio: Fraction = Field(
+        1.0, description="Fraction of this rank's optimizer state kept in CPU memory and stepped by the CPU "
+                         "optimizer; the rest stays on the accelerator and steps there, while the CPU steps its "
+                         "part (DeepSpeed's partial offload). Rounded to whole buckets (reduce_bucket_size); "
+                         "any ZeRO stage 1-3.")
 
     _device_is_supported = field_validator("device", mode="before")(_check_device)
 
