@@ -36,8 +36,8 @@ def config(world, stage, dtype="fp32", offload=False):
         # persistence 0: at stage 3 every parameter of the tiny model is partitioned, not kept whole
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0},
     }
-    if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if offload:  # True, or a float: offload_optimizer.ratio (partial offload)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": float(offload)}
     return cfg
 
 
@@ -126,6 +126,7 @@ def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
     ((2, 0, "fp32", False), (2, 3, "fp32", True)),
     ((2, 2, "bf16", True), (2, 3, "bf16", False)),
     ((2, 1, "fp16", False), (2, 1, "fp16", False)),
+    ((2, 2, "fp32", 0.5), (2, 2, "fp32", 0.5)),  # Adam state half in host memory, half beside the params
 ])
 def test_every_stage_precision_and_offload_resumes(tmp_path, save, load):
     save_world, save_stage, dtype, save_offload = save
