@@ -22,8 +22,10 @@ from zeroengine import comm
 from zeroengine.ops.moe_dispatch import (permute_tokens, permute_tokens_split, unpermute_combine,
                                          unpermute_combine_segments)
 
+from .expert_group import SERIAL_BELOW, run_expert_modules
 from .experts import run_experts, runs_per_module
-from .gate import GateOutput
+from .fused_route import route_gather
+from .gate import GateOutput, TopKGate
 from .groups import ExpertGroups
 
 
@@ -58,12 +60,25 @@ class LocalDispatch:
     def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts, impl: str = "auto") -> torch.Tensor:
         if runs_per_module(experts):  # one input and one output tensor per expert: nothing concatenated
             chunks = permute_tokens_split(x, plan.index, plan.rows, plan.counts, impl=impl, checked=plan.checked)
-            ys = [expert(chunk) for expert, chunk in zip(experts, chunks)]
+            ys = run_expert_modules(experts, chunks, getattr(experts, "serial_below", SERIAL_BELOW))
             return unpermute_combine_segments(ys, plan.rows, plan.weights, covers_all=True, impl=impl,
                                               checked=plan.checked)
         permuted = permute_tokens(x, plan.index, plan.rows, impl=impl)
         y = run_experts(experts, permuted, plan.counts)
         return unpermute_combine(y, plan.rows, plan.weights, covers_all=True, impl=impl)
+
+    def route_and_run(self, gate: TopKGate, x: torch.Tensor, experts, impl: str = "auto"):
+        """Gate and dispatch with routing and gather as one node (see :mod:`zeroengine.moe.fused_route`;
+        only where ``fused_route.applies``): returns ``(output, l_aux, exp_counts)``."""
+        split = runs_per_module(experts)
+        rows_in, weights, l_aux, exp_counts, kept_counts, rows = route_gather(gate, x, split, impl)
+        if split:
+            ys = run_expert_modules(experts, rows_in, getattr(experts, "serial_below", SERIAL_BELOW))
+            out = unpermute_combine_segments(ys, rows, weights, covers_all=True, impl=impl, checked=True)
+        else:
+            y = run_experts(experts, rows_in, kept_counts.tolist())
+            out = unpermute_combine(y, rows, weights, covers_all=True, impl=impl)
+        return out, l_aux, exp_counts
 
 
 class _AllToAll(torch.autograd.Function):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .expert_group import SERIAL_BELOW
 from .grouped import GroupedMLPExperts, _has_hooks, grouped_mlp_modules, mlp_spec
 from .grouped_cpu import GradWorkspace
 from .params import tag_expert_params
@@ -24,13 +25,16 @@ GROUPED = ("auto", "on", "off")
 
 class ExpertList(nn.ModuleList):
     """Per-expert modules (a ``ModuleList``: parameter names ``<i>.<rest>`` as before) and how to run them:
-    ``grouped`` is ``"auto"`` / ``"on"`` / ``"off"``, ``spec`` the MLP spec when the experts are standard MLPs."""
+    ``grouped`` is ``"auto"`` / ``"on"`` / ``"off"``, ``spec`` the MLP spec when the experts are standard MLPs.
+    ``serial_below``: experts run one module at a time whose mean batch holds fewer elements run with one
+    intra-op thread (see :mod:`zeroengine.moe.expert_group`; 0: never)."""
 
     def __init__(self, modules, grouped: str = "auto"):
         super().__init__(modules)
         self.grouped = grouped
         self.spec = mlp_spec(self[0]) if len(self) else None
         self.grad_workspace = GradWorkspace()  # CPU grouped path (see grouped_cpu.py)
+        self.serial_below = SERIAL_BELOW
         if grouped == "on" and self.spec is None:
             raise ValueError('grouped="on" needs an nn.Sequential(nn.Linear, activation, nn.Linear) expert')
 

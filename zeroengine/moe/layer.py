@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .dispatch import AllToAllDispatch, DispatchPlan, LocalDispatch
 from .experts import init_experts, make_local_experts
+from .fused_route import applies as fused_route_applies
 from .gate import TopKGate
 from .groups import expert_groups
 
@@ -86,13 +87,17 @@ class MoE(nn.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE expects a last dimension of {self.hidden_size}, got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.hidden_size)
-        routing = self.gate(tokens)
-        plan = DispatchPlan.from_gate(routing)
-        out = self._dispatch(tokens, plan, self.local_experts, impl=self.impl)
+        if self.ep_size == 1 and tokens.shape[0] and fused_route_applies(self.gate, tokens, self.impl):
+            out, l_aux, exp_counts = self._dispatch.route_and_run(self.gate, tokens, self.local_experts, self.impl)
+        else:
+            routing = self.gate(tokens)
+            plan = DispatchPlan.from_gate(routing)
+            out = self._dispatch(tokens, plan, self.local_experts, impl=self.impl)
+            l_aux, exp_counts = routing.l_aux, routing.exp_counts
         if self.use_residual:
             coef = F.softmax(self.coefficient(tokens).float(), dim=-1).to(out.dtype)
             out = out * coef[:, :1] + self.mlp(tokens) * coef[:, 1:]
-        return out.view(x.shape), routing.l_aux, routing.exp_counts
+        return out.view(x.shape), l_aux, exp_counts
 
 
 def _check_positional_order(noisy_gate_policy, drop_tokens, use_residual) -> None:

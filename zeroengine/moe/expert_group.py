@@ -1,0 +1,96 @@
+"""Many small expert modules: run them, forward and backward, with one intra-op thread.
+
+Note: small experts and threads. Each op of an expert over a small batch (at 64 experts and
+4096 tokens, top-1: ~64 rows) is a parallel region of its own as soon as it reaches torch's
+grain size (32768 elements), so 64 experts make ~200 regions per step, each waking the other
+threads and waiting for all of them at its end. On an idle host that costs little; on a
+shared, oversubscribed one (measured on a 2-core host running other jobs) a region waits for
+a thread the scheduler parked, and the same 64 cheap experts went from ~7 ms to 0.3-1 s per
+step. One thread per op there costs about the same on the idle host (the work per op is a
+few microseconds) and nothing waits. So when the experts' mean batch holds fewer than
+``ExpertList.serial_below`` elements (default ``2 ** 16``, twice torch's grain size; 0 turns
+this off), :func:`run_expert_modules` runs them under ``torch.set_num_threads(1)`` and
+restores the count after. Backward gets the same through :class:`_SerialExperts`, one
+autograd Function for the whole group: its forward records the experts' graph on detached
+inputs, its backward runs ``torch.autograd.grad`` over that graph with one thread and
+returns the gradients of the inputs and of the expert parameters (passed in as inputs, so
+autograd accumulates them as usual, hooks and ``torch.autograd.grad`` callers included).
+Results equal the threaded run up to summation order inside reductions. Limits, as with
+reentrant checkpointing: no double backward through the experts, and a second backward
+through the same graph (``retain_graph=True``) is refused.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+SERIAL_BELOW = 1 << 16
+
+
+@contextmanager
+def intra_op_threads(n: int):
+    """``torch.set_num_threads(n)`` inside the block (when it lowers the count), restored after."""
+    old = torch.get_num_threads()
+    if n >= old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def wants_serial(chunks: Sequence[torch.Tensor], serial_below: int) -> bool:
+    """Whether the experts' mean batch (elements) is below ``serial_below`` and threads are in use."""
+    if not serial_below or not chunks or torch.get_num_threads() == 1:
+        return False
+    return sum(c.numel() for c in chunks) < serial_below * len(chunks)
+
+
+def run_expert_modules(experts: Sequence[nn.Module], chunks: Sequence[torch.Tensor],
+                       serial_below: int = SERIAL_BELOW) -> list[torch.Tensor]:
+    """``[expert_i(chunk_i)]``, single-threaded forward and backward when the batches are small
+    (Note: small experts and threads)."""
+    if not wants_serial(chunks, serial_below):
+        return [expert(chunk) for expert, chunk in zip(experts, chunks)]
+    params = [p for e in experts for p in e.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled() or not (params or any(c.requires_grad for c in chunks)):
+        with intra_op_threads(1):
+            return [expert(chunk) for expert, chunk in zip(experts, chunks)]
+    return list(_SerialExperts.apply(tuple(experts), len(chunks), *chunks, *params))
+
+
+class _SerialExperts(torch.autograd.Function):
+    """The experts of a group as one node: inputs ``(*chunks, *params)``, outputs one tensor per expert."""
+
+    @staticmethod
+    def forward(ctx, experts, n, *tensors):
+        chunks, params = tensors[:n], tensors[n:]
+        ins = [c.detach().requires_grad_(c.requires_grad) for c in chunks]
+        with torch.enable_grad(), intra_op_threads(1):
+            outs = [expert(i) for expert, i in zip(experts, ins)]
+        ctx.graph = (ins, outs, params)
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.graph is None:
+            raise RuntimeError("MoE experts run as one group (zeroengine.moe.expert_group) support one backward "
+                               "per forward; a second backward through the same graph (retain_graph=True) is "
+                               "not supported. Set experts.serial_below = 0 to run them one module at a time")
+        ins, outs, params = ctx.graph
+        ctx.graph = None
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        wrt = [t for t in (*ins, *params) if t.requires_grad]
+        found = [None] * len(wrt)
+        if pairs and wrt:
+            with intra_op_threads(1):
+                found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        by_id = {id(t): g for t, g in zip(wrt, found)}
+        grad_in = [by_id.get(id(i)) if i.requires_grad else None for i in ins]
+        grad_params = [by_id.get(id(p)) for p in params]
+        return (None, None, *grad_in, *grad_params)
