@@ -15,6 +15,10 @@ a measured 8192³ bf16 matmul in the same run are both reported.
 ``--largest`` grows the model (depth at width 4096, sequence 1024, micro batch 1)
 under stage 3 with and without optimizer offload through the depths given until
 a run fails, and reports the largest that trained a few steps with a finite loss.
+Offloaded runs build the model under zero.Init on the GPU with the slices in CPU
+memory (the fp32 model never sits on the GPU whole) and offload the share of the
+optimizer state the host can hold (``--offload_ratio auto``; the rest steps on
+the GPU: partial offload, offload_optimizer.ratio).
 """
 from __future__ import annotations
 
@@ -86,13 +90,16 @@ def throughput_runs(models: list[str], micro: int) -> list[dict]:
     return runs
 
 
-def largest_runs(layers: dict[bool, list[int]]) -> list[dict]:
+def largest_runs(layers: dict[bool, list[int]], offload_ratio="auto") -> list[dict]:
     runs = []
     for offload in (False, True):
         for n_layer in layers[offload]:
-            runs.append({"name": f"w4096-L{n_layer}", "stage": 3, "dtype": "bf16", "offload_optimizer": offload,
-                         "micro": 1, "model": dict(n_layer=n_layer, n_embd=4096, n_head=32, block_size=1024,
-                                                   vocab_size=50304)})
+            run = {"name": f"w4096-L{n_layer}", "stage": 3, "dtype": "bf16", "offload_optimizer": offload,
+                   "micro": 1, "model": dict(n_layer=n_layer, n_embd=4096, n_head=32, block_size=1024,
+                                             vocab_size=50304)}
+            if offload:
+                run.update(init=True, ratio=offload_ratio)
+            runs.append(run)
     return runs
 
 
@@ -105,7 +112,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny model only (smoke test)")
     parser.add_argument("--largest", action="store_true", help="search the largest trainable GPT instead")
     parser.add_argument("--layers", default="8,16,20,24", help="--largest: depths tried without offload")
-    parser.add_argument("--offload_layers", default="16,24,32,40", help="--largest: depths tried with offload")
+    parser.add_argument("--offload_layers", default="16,32,40,44,48,52",
+                        help="--largest: depths tried with offload")
+    parser.add_argument("--offload_ratio", default="auto",
+                        help="--largest: offload_optimizer.ratio of the offloaded runs (a number, or auto)")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
     args = parser.parse_args()
@@ -120,8 +130,9 @@ def main() -> int:
     torch.cuda.empty_cache()
     datasheet = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
     if args.largest:
+        ratio = args.offload_ratio if args.offload_ratio == "auto" else float(args.offload_ratio)
         runs = largest_runs({False: [int(n) for n in args.layers.split(",")],
-                             True: [int(n) for n in args.offload_layers.split(",")]})
+                             True: [int(n) for n in args.offload_layers.split(",")]}, ratio)
     else:
         runs = throughput_runs(["tiny"] if args.quick else args.models.split(","), 2 if args.quick else args.micro)
     results, failed_at = [], {}
@@ -162,7 +173,8 @@ def _write(path: str, report: dict) -> None:
 
 
 def _print_row(r: dict) -> None:
-    what = f"{r['name']:>10} s{r['stage']} {r['dtype']}{' +offload' if r.get('offload_optimizer') else '':9}"
+    offload = f" +offload {r.get('ratio_used', r.get('ratio', 1.0))}" if r.get("offload_optimizer") else ""
+    what = f"{r['name']:>10} s{r['stage']} {r['dtype']}{offload:15}"
     if "error" in r:
         print(f"{what} | {r['error'][:150]}", flush=True)
         return

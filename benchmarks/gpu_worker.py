@@ -4,6 +4,12 @@
 
 A fresh process per run keeps CUDA memory statistics, the allocator and any
 out-of-memory failure to that run alone.
+
+Spec keys besides the model: ``stage``, ``dtype``, ``micro``, ``offload_optimizer``,
+``offload_param``, ``ratio`` (offload_optimizer.ratio, or "auto": the share of
+the Adam state the host's available memory holds, see ``auto_ratio``) and
+``init`` (build under zero.Init on the GPU with the slices in CPU memory, so
+the whole fp32 model never sits on the GPU).
 """
 from __future__ import annotations
 
@@ -28,20 +34,51 @@ def flops_per_token(cfg: GPTConfig, params: int) -> float:
     return 6 * dense + 6 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
 
+def gpt_params(cfg: GPTConfig) -> int:
+    """Parameters of examples/gpt's GPT (tied head) without building it."""
+    d, layers = cfg.n_embd, cfg.n_layer
+    per_layer = 12 * d * d + 13 * d  # attention 4d^2+4d, MLP 8d^2+5d, two LayerNorms 4d
+    return cfg.vocab_size * d + cfg.block_size * d + layers * per_layer + 2 * d
+
+
+def auto_ratio(params: int, offload_param: bool) -> float:
+    """The share of the optimizer the host can take: each offloaded parameter costs 14 bytes of host memory
+    (fp32 master, Adam m and v, the pinned 16-bit copy-out), offload_param adds 2 per parameter, and zero.Init's
+    fp32 slices (4 per parameter) are held while initialize() cuts the masters; 10% of the available memory
+    is left for everything else."""
+    available = _meminfo_bytes("MemAvailable") * 0.9 - (2 * params if offload_param else 0)
+    return max(0.0, min(1.0, available / (14 * params), (available - 4 * params) / (4 * params)))
+
+
+def _meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
 def run(spec: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = GPTConfig(**spec["model"], dropout=0.0)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    with torch.device("cuda"):
-        model = GPT(cfg)
-    params = model.num_params()
     zero = {"stage": spec["stage"], "reduce_bucket_size": spec.get("bucket", 200_000_000),
             "allgather_bucket_size": spec.get("bucket", 200_000_000), "overlap_comm": True}
     if spec.get("offload_optimizer"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        ratio = spec.get("ratio", 1.0)
+        if ratio == "auto":
+            ratio = spec["ratio_used"] = round(auto_ratio(gpt_params(cfg), bool(spec.get("offload_param"))), 3)
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": ratio}
     if spec.get("offload_param"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if spec.get("init"):  # one full parameter at a time on the GPU; slices and fp32 values in CPU memory
+        with zeroengine.zero.Init(config={"zero_optimization": zero}, remote_device="cpu"), torch.device("cuda"):
+            model = GPT(cfg)
+    else:
+        with torch.device("cuda"):
+            model = GPT(cfg)
+    params = model.num_params()
     config = {
         "train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0, "steps_per_print": 10_000,

@@ -2,6 +2,7 @@
 and a build's peak parameter memory about 1/N of the model."""
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -14,9 +15,9 @@ from zeroengine.zero import GatheredParameters, Init, PartitionedParameterError,
 STEPS = 4
 
 
-def _init_gpt(seed: int = 0):
+def _init_gpt(seed: int = 0, remote_device=None):
     torch.manual_seed(seed)
-    with Init() as ctx:
+    with Init(remote_device=remote_device, pin_memory=remote_device is not None) as ctx:
         model = GPT(TINY)
     return model, ctx
 
@@ -52,9 +53,12 @@ def test_init_gives_every_rank_the_values_of_an_ordinary_build():
         assert peak <= full_bytes / 2 + largest + 1024, (peak, full_bytes)
 
 
-def _train(rank, world, dtype, gas, use_init):
+def _train(rank, world, dtype, gas, use_init, remote_device=None):
     cfg = base_config(2, gas, world, 0.5, dtype=dtype, stage=3)
-    model = _init_gpt()[0] if use_init else make_model()
+    model = _init_gpt(remote_device=remote_device)[0] if use_init else make_model()
+    if remote_device is not None:
+        shards = [zeroengine.zero.param_guard.info_of(p).init_shard.shard for p in model.parameters()]
+        assert all(s.device.type == remote_device for s in shards)
     engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
     losses = []
     for step in global_batches(STEPS, gas, world, 2):
@@ -78,10 +82,11 @@ def test_model_built_under_init_trains_like_the_single_process_reference():
         assert held == 4 * shard_numel  # only this rank's shard is held (no persistence in base_config)
 
 
-def test_16bit_under_init_is_bitwise_the_ordinary_build():
+@pytest.mark.parametrize("remote_device", [None, "cpu"])
+def test_16bit_under_init_is_bitwise_the_ordinary_build(remote_device):
     # fp32 masters come from the fp32 Init slices, so training is exactly that of an ordinary build
     plain = run_distributed(_train, 2, "bf16", 1, False)
-    built = run_distributed(_train, 2, "bf16", 1, True)
+    built = run_distributed(_train, 2, "bf16", 1, True, remote_device)
     for (lp, sp, _, _), (li, si, _, _) in zip(plain, built):
         assert lp == li
         for name in sp:
@@ -171,3 +176,19 @@ def _wrong_stage(rank, world):
 def test_an_init_model_given_a_stage_below_3_is_refused_by_name():
     key, message = run_distributed(_wrong_stage, 1)[0]
     assert key == "zero_optimization.stage" and "zero.Init" in message
+
+
+@pytest.mark.parametrize("remote_device,config,expected", [
+    (None, None, None), ("none", None, None), ("cpu", None, "cpu"),
+    (None, {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "cpu"),  # as DeepSpeed
+    (None, {"zero_optimization": {"stage": 3}}, None)])
+def test_remote_device_defaults_to_the_configs_param_offload(remote_device, config, expected):
+    ctx = Init(config=config, remote_device=remote_device)
+    assert ctx.remote_device == (None if expected is None else torch.device(expected))
+
+
+@pytest.mark.parametrize("remote_device,message", [("nvme", "NVMe"), ("cuda", "expected 'cpu'")])
+def test_unsupported_remote_device_is_refused_by_name(remote_device, message):
+    with pytest.raises(ValueError, match=message) as info:
+        Init(remote_device=remote_device)
+    assert "remote_device" in str(info.value)

@@ -33,3 +33,41 @@ def test_offloaded_params_on_cuda(dtype):
     else:
         for got, want in zip(losses, ref_losses):
             assert abs(got - want) <= 0.02 * want, (losses, ref_losses)
+
+
+def test_built_on_cuda_under_init_with_cpu_slices_trains_with_partial_offload():
+    """The path for a model larger than the GPU: built on the GPU one parameter at a time, slices (and the
+    fp32 values the masters are cut from) in pinned CPU memory, half the Adam state on the GPU."""
+    from model import GPT
+    from parity import TINY
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, ref_params = reference_run(STEPS, 2, 1, micro=4, clip=0.5)
+    cfg = base_config(4, 2, 1, 0.5, dtype="fp32", stage=3)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": 0.5}
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    with zeroengine.zero.Init(config=cfg, remote_device="cpu", pin_memory=True), torch.device("cuda"):
+        model = GPT(TINY)
+    largest = max(p.numel() for p in model.parameters()) * 4
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    # one full parameter at a time on the GPU, never the model (~30k parameters, 15x the largest)
+    assert torch.cuda.max_memory_allocated() - base <= 2 * largest + buffers
+    shards = [zeroengine.zero.param_guard.info_of(p).init_shard.shard for p in model.parameters()]
+    assert all(s.device.type == "cpu" and s.is_pinned() for s in shards)
+    # built from the CUDA generator: give it the reference's initial values (as loading pretrained weights)
+    want = dict(make_model().named_parameters())
+    with GatheredParameters(list(model.parameters()), modifier_rank=0):
+        for name, p in model.named_parameters():
+            p.data.copy_(want[name].detach())
+    engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
+    zero = engine.optimizer
+    assert any(zero.on_host(b.index) for b in zero.layout.buckets)
+    assert any(not zero.on_host(b.index) for b in zero.layout.buckets)
+    losses = engine_losses(engine, global_batches(STEPS, 2, 1, 4), 0, 1, device="cuda")
+    with GatheredParameters(list(engine.module.parameters())):
+        params = {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-5)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")

@@ -16,6 +16,14 @@ removed on exit (nothing in torch is replaced):
   from an uninitialised full tensor, any other op (``erfinv_``, ``mul_``,
   ``__getitem__``) from the full value, all-gathered from the ranks' slices.
 
+Where the slices live: on the device the model is built on, unless
+``remote_device="cpu"`` (or the config's ``offload_param``) keeps them in CPU
+memory, pinned with ``pin_memory``, as DeepSpeed's ``remote_device`` does. A
+model built on the GPU then holds only one full parameter there at a time, and
+its fp32 values, kept until ``initialize()`` cuts the fp32 masters from them,
+never occupy GPU memory as a whole (what lets a model larger than the GPU's
+memory be built for optimizer and parameter offload).
+
 Every rank runs the same construction code with the same seed, and every
 op runs on a full-size tensor exactly as in an ordinary build, so the random
 number generator is consumed identically and each rank keeps its slice of
@@ -45,13 +53,18 @@ _OVERWRITE = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "rando
 
 
 class InitShard:
-    """This rank's flat slice of one parameter built under Init."""
+    """This rank's flat slice of one parameter built under Init (kept on ``device``, default: the
+    parameter's own)."""
 
-    def __init__(self, flat: torch.Tensor, rank: int, world: int, group):
+    def __init__(self, flat: torch.Tensor, rank: int, world: int, group, device: torch.device | None = None,
+                 pin_memory: bool = False):
         self.numel = flat.numel()
         self.rank, self.world, self.group = rank, world, group
         self.chunk = -(-self.numel // world)
-        self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device)
+        self.compute_device = flat.device  # where the full value is built and gathered
+        device = flat.device if device is None else device
+        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=device, pin_memory=pin)
         lo, hi = min(rank * self.chunk, self.numel), min((rank + 1) * self.chunk, self.numel)
         self.shard[:hi - lo].copy_(flat[lo:hi])
 
@@ -61,8 +74,9 @@ class InitShard:
 
     def full_flat(self) -> torch.Tensor:
         """The parameter's full flat value (collective: every rank calls it for the same parameter)."""
-        full = torch.empty(self.chunk * self.world, dtype=self.shard.dtype, device=self.shard.device)
-        comm.all_gather(full, self.shard, group=self.group)
+        full = torch.empty(self.chunk * self.world, dtype=self.shard.dtype, device=self.compute_device)
+        own = self.shard.to(self.compute_device, non_blocking=self.shard.is_pinned())
+        comm.all_gather(full, own, group=self.group)
         return full[:self.numel]
 
     def convert(self, param, func, args, kwargs):
@@ -75,8 +89,10 @@ class InitShard:
 class _InitState:
     """The context's bookkeeping: the active parameter and the bytes held."""
 
-    def __init__(self, rank: int, world: int, group):
+    def __init__(self, rank: int, world: int, group, remote_device: torch.device | None = None,
+                 pin_memory: bool = False):
         self.rank, self.world, self.group = rank, world, group
+        self.remote_device, self.pin_memory = remote_device, pin_memory
         self.active: torch.nn.Parameter | None = None
         self.held_bytes = 0  # slices of every live partitioned parameter + the active full value
         self.peak_bytes = 0
@@ -95,7 +111,7 @@ class _InitState:
         shard = info.init_shard
         with torch._C.DisableTorchFunction():
             full = shard.full_flat() if read_values else torch.empty(shard.numel, dtype=shard.shard.dtype,
-                                                                     device=shard.shard.device)
+                                                                     device=shard.compute_device)
             p.data = full.view(info.shape)
         mark_gathered(p)
         self.active = p
@@ -106,7 +122,7 @@ class _InitState:
         self.flush()
         with torch._C.DisableTorchFunction():
             flat = p.detach().reshape(-1)
-            shard = InitShard(flat, self.rank, self.world, self.group)
+            shard = InitShard(flat, self.rank, self.world, self.group, self.remote_device, self.pin_memory)
         mark_partitioned(p, name, p.shape)
         mark_gathered(p)
         info_of(p).init_shard = shard
@@ -132,7 +148,7 @@ class _InitState:
         nbytes = flat.numel() * flat.element_size()
         del flat
         self._count(-nbytes)
-        if nbytes >= _TRIM_ABOVE and p.device.type == "cpu":
+        if nbytes >= _TRIM_ABOVE and (p.device.type == "cpu" or shard.shard.device.type == "cpu"):
             _return_free_heap()
 
 
@@ -206,15 +222,22 @@ class Init:
 
     ``config`` (path, dict or parsed config) is optional; when it names a ZeRO
     stage other than 3, or ``enabled`` is False, nothing is partitioned.
+    ``remote_device`` ("cpu", or None: the device each parameter is built on;
+    default "cpu" when the config offloads parameters) is where the slices
+    live until ``initialize()``; ``pin_memory`` pins them there.
     Every rank must build the same modules in the same order, with the same
     seed (a collective may run when an init op reads a parameter's values).
     """
 
     _depth = 0
 
-    def __init__(self, config=None, enabled: bool = True, data_parallel_group=None, config_dict_or_path=None):
+    def __init__(self, config=None, enabled: bool = True, data_parallel_group=None, config_dict_or_path=None,
+                 remote_device: str | None = None, pin_memory: bool = False):
         # config_dict_or_path: DeepSpeed's name for ``config``
-        self.enabled = enabled and _stage_of(config if config is not None else config_dict_or_path) in (None, 3)
+        config = config if config is not None else config_dict_or_path
+        self.enabled = enabled and _stage_of(config) in (None, 3)
+        self.remote_device = _remote_device(remote_device, config if self.enabled else None)
+        self.pin_memory = bool(pin_memory)
         self.group = data_parallel_group
         self.state: _InitState | None = None
         self._handle = None
@@ -233,7 +256,8 @@ class Init:
         self._nested = False
         Init._depth += 1
         comm.init_distributed()
-        self.state = _InitState(comm.get_rank(), comm.get_world_size(self.group), self.group)
+        self.state = _InitState(comm.get_rank(), comm.get_world_size(self.group), self.group, self.remote_device,
+                                self.pin_memory)
         self._handle = register_module_parameter_registration_hook(self._on_register)
         self._mode = _InitMode(self.state)
         self._mode.__enter__()
@@ -255,6 +279,36 @@ class Init:
             return None  # tied: already partitioned under its first owner
         self.state.adopt(param, name)
         return None
+
+
+def _remote_device(remote_device, config) -> torch.device | None:
+    """DeepSpeed's ``remote_device``: "cpu" keeps the slices in CPU memory; None or "none" leaves them where
+    the parameter is built, unless the config offloads parameters (then CPU, as DeepSpeed does)."""
+    if remote_device in (None, "none"):
+        if _offloads_params(config):
+            return torch.device("cpu")
+        return None
+    if remote_device == "nvme":
+        raise ValueError("zero.Init(remote_device='nvme'): NVMe offload (ZeRO-Infinity) is not implemented by "
+                         "zeroengine; use 'cpu' or None")
+    if str(remote_device) != "cpu":
+        raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'cpu', 'none' or None (the "
+                         "slices stay on the device the model is built on)")
+    return torch.device("cpu")
+
+
+def _offloads_params(config) -> bool:
+    if config is None:
+        return False
+    if isinstance(config, dict):
+        block = (config.get("zero_optimization") or {}).get("offload_param") or {}
+        return block.get("device") == "cpu"
+    zero = getattr(config, "zero_optimization", None)
+    if zero is not None:
+        return zero.offload_param is not None
+    from zeroengine.config import load_config
+
+    return load_config(config, world_size=comm.get_world_size()).zero_optimization.offload_param is not None
 
 
 def _stage_of(config) -> int | None:
@@ -305,11 +359,16 @@ class InitReshard:
             if piece is not None:
                 value = flat[piece.param_start:piece.param_end]
                 chunk[piece.chunk_start:piece.chunk_start + piece.numel].copy_(value)
-                if self.keep_fp32:
+                if self.keep_fp32:  # beside the Init slices (CPU memory with remote_device="cpu")
+                    home = self._home_of(p)
                     self._fp32_pieces.setdefault(slot.index, {})[(piece.param_start, piece.param_end)] = \
-                        value.float().clone()
+                        value.to(device=home, dtype=torch.float32, copy=True)
             del flat
         return chunk
+
+    def _home_of(self, p: torch.nn.Parameter) -> torch.device:
+        shard = info_of(p).init_shard if is_init_partitioned(p) else None
+        return shard.shard.device if shard is not None else p.device
 
     def release_init_shards(self) -> None:
         for p in self.params:
@@ -318,7 +377,8 @@ class InitReshard:
                 info.init_shard = None
 
     def fp32_values(self) -> list:
-        return [_OwnPieces(self._fp32_pieces.setdefault(i, {}), p.device) for i, p in enumerate(self.params)]
+        """Call before :meth:`release_init_shards` (the pieces' device is read from the slices)."""
+        return [_OwnPieces(self._fp32_pieces.setdefault(i, {}), self._home_of(p)) for i, p in enumerate(self.params)]
 
 
 class _OwnPieces:

@@ -50,16 +50,7 @@ class ShardedOptimizer(ZeroOptimizer):
         self.offload = offload
         self.placement = None if offload is None else place_buckets([b.chunk_numel for b in buckets],
                                                                    float(offload.ratio))
-        if policy.mixed:
-            self.chunks = [gather_chunk(fp32_values, b, rank, torch.float32) for b in buckets]
-        else:
-            self.chunks = [flat_params.chunk_view(b, rank) for b in buckets]
-        for b in buckets:
-            chunk = self.chunks[b.index]
-            if self.on_host(b.index):
-                self.chunks[b.index] = self._to_host(chunk)
-            elif chunk.device != flat_params.device:  # masters cut from values kept elsewhere (zero.Init)
-                self.chunks[b.index] = chunk.to(flat_params.device)
+        self.chunks = [self._stepped_chunk(b, fp32_values) for b in buckets]
         self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
         host = sorted(self.placement.host_buckets) if self.placement is not None else []
         # Offloaded 16-bit training with the C++ CPU Adam: the kernel writes each updated value out in
@@ -82,7 +73,26 @@ class ShardedOptimizer(ZeroOptimizer):
         """True when the bucket's masters and optimizer state are offloaded to CPU memory."""
         return self.placement is not None and self.placement.on_host(bucket_index)
 
-    def _to_host(self, chunk: torch.Tensor) -> torch.Tensor:
+    def _stepped_chunk(self, bucket, fp32_values) -> torch.Tensor:
+        """This rank's chunk of ``bucket`` as the optimizer steps it, where it steps: a new fp32 master (16-bit
+        training, or an offloaded bucket) or a view of the parameters. One bucket at a time, so no more than
+        a bucket's masters ever exist twice or on the wrong side."""
+        if self.policy.mixed:
+            chunk = gather_chunk(fp32_values, bucket, self.rank, torch.float32)
+        else:
+            chunk = self.flat_params.chunk_view(bucket, self.rank)
+        if self.on_host(bucket.index):
+            return self._to_host(chunk, fresh=self.policy.mixed)
+        if chunk.device != self.flat_params.device:  # masters cut from values zero.Init kept in CPU memory
+            return chunk.to(self.flat_params.device)
+        return chunk
+
+    def _to_host(self, chunk: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+        """``chunk`` in CPU memory (pinned when asked); ``fresh``: the chunk is nobody else's, keep it if it
+        is already what is needed."""
+        pin = bool(self.offload.pin_memory) and torch.cuda.is_available()
+        if fresh and chunk.device.type == "cpu" and (chunk.is_pinned() or not pin):
+            return chunk
         return self._host_buffer(chunk.shape, torch.float32).copy_(chunk)
 
     def _host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
