@@ -15,6 +15,8 @@ Candidates, all dropless, all with the same expert MLP (hidden -> ffn -> hidden,
   settings: per-expert modules, standard-MLP experts run as grouped GEMMs over weights stacked on
   the fly (``grouped="auto"``);
 * ``ze-loop``: the same layer with ``grouped="off"`` (one call per expert, as before grouped GEMMs);
+* ``ze-serial`` (overhead rows): the layer with ``local_experts.serial_below = 2 ** 16``, the small
+  experts run with one intra-op thread (opt-in, for oversubscribed hosts; see zeroengine/moe/expert_group.py);
 * ``ze-stacked``: ``expert_layout="stacked"`` (expert weights are stacked ``[E, ...]`` parameters:
   grouped GEMMs with no stacking copy); MLP rows only;
 * ``deepspeed``: DeepSpeed's ``deepspeed.moe.layer.MoE`` (CPU accelerator), when importable.
@@ -119,6 +121,10 @@ def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepsp
     found["naive"] = (NaiveMoE(gate, local), x)
     found["sort"] = (SortMoE(gate, local), x)
     found["zeroengine"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False), x)
+    if kind == "cheap":  # the same layer with the small experts single-threaded (serial_below, opt-in)
+        serial = MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False)
+        serial.local_experts.serial_below = 1 << 16
+        found["ze-serial"] = (serial, x)
     if kind == "mlp":
         found["ze-loop"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False, grouped="off"), x)
         found["ze-stacked"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False,
@@ -248,7 +254,8 @@ def run_a2a(worlds, tokens, hidden, experts, k, repeats):
 
 
 # -- report ----------------------------------------------------------------------------------------
-COLUMNS = ["floor", "traffic", "bound", "naive", "sort", "deepspeed", "ze-loop", "zeroengine", "ze-stacked"]
+COLUMNS = ["floor", "traffic", "bound", "naive", "sort", "deepspeed", "ze-loop", "ze-serial", "zeroengine",
+           "ze-stacked"]
 
 
 def print_table(title, shapes):
@@ -332,7 +339,8 @@ def main(argv=None):
                                                            device, dtype, with_ds, only)}
                   for e in experts for k in ks]
         result[kind] = shapes
-        result[f"{kind}_ratios"] = ratios(shapes, ["floor", "bound", "naive", "sort", "deepspeed", "ze-loop"])
+        result[f"{kind}_ratios"] = ratios(shapes, ["floor", "bound", "naive", "sort", "deepspeed", "ze-loop",
+                                                         "ze-serial"])
         print_table("forward+backward, expert MLP" if kind == "mlp" else "dispatch/combine overhead "
                     "(near-zero-cost expert)", shapes)
         for r in result[f"{kind}_ratios"]:

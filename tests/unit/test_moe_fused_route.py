@@ -5,9 +5,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import zeroengine.moe.expert_group as expert_group
 import zeroengine.moe.fused_route as fused_route
 from zeroengine.moe import MoE
-from zeroengine.moe.expert_group import intra_op_threads, run_expert_modules
+from zeroengine.moe.expert_group import intra_op_threads, run_expert_modules, wants_serial
 from zeroengine.moe.fused_gate import topk_gate_reference
 from zeroengine.ops.moe_dispatch import backend
 
@@ -119,7 +120,8 @@ class _Probed(Scale):
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs more than one intra-op thread")
-def test_expert_group_runs_single_threaded_and_matches_the_module_loop():
+def test_expert_group_runs_single_threaded_and_matches_the_module_loop(monkeypatch):
+    monkeypatch.setattr(expert_group, "PARALLEL_FROM", 1)  # tiny batches here
     torch.manual_seed(0)
     experts = nn.ModuleList(_Probed() for _ in range(5))
     for e in experts:
@@ -143,7 +145,8 @@ def test_expert_group_runs_single_threaded_and_matches_the_module_loop():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_expert_group_gives_parameter_gradients_to_autograd_grad():
+def test_expert_group_gives_parameter_gradients_to_autograd_grad(monkeypatch):
+    monkeypatch.setattr(expert_group, "PARALLEL_FROM", 1)
     torch.manual_seed(0)
     experts = nn.ModuleList(Scale() for _ in range(3))
     chunks = [torch.randn(2, H, requires_grad=True) for _ in range(3)]
@@ -157,7 +160,8 @@ def test_expert_group_gives_parameter_gradients_to_autograd_grad():
     assert all(p.grad is None for p in params)
 
 
-def test_expert_group_refuses_a_second_backward_and_restores_threads():
+def test_expert_group_refuses_a_second_backward_and_restores_threads(monkeypatch):
+    monkeypatch.setattr(expert_group, "PARALLEL_FROM", 1)
     threads = torch.get_num_threads()
     experts = nn.ModuleList(Scale() for _ in range(2))
     ys = run_expert_modules(experts, [torch.randn(2, H, requires_grad=True) for _ in range(2)], 1 << 20)
@@ -170,3 +174,14 @@ def test_expert_group_refuses_a_second_backward_and_restores_threads():
     with intra_op_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs more than one intra-op thread")
+def test_wants_serial_for_small_batches_that_torch_would_thread():
+    small = [torch.empty(64, 512)] * 64  # 64 experts, 4096 tokens, top-1: 32768 elements each
+    assert wants_serial(small, 1 << 16)
+    assert not wants_serial(small, 0)
+    assert not wants_serial([torch.empty(512, 512)] * 8, 1 << 16)  # 8 experts: large batches stay threaded
+    assert not wants_serial([torch.empty(8, 32)] * 8, 1 << 16)  # torch runs these single-threaded anyway
+    with intra_op_threads(1):
+        assert not wants_serial(small, 1 << 16)

@@ -27,7 +27,7 @@ class ExpertList(nn.ModuleList):
     """Per-expert modules (a ``ModuleList``: parameter names ``<i>.<rest>`` as before) and how to run them:
     ``grouped`` is ``"auto"`` / ``"on"`` / ``"off"``, ``spec`` the MLP spec when the experts are standard MLPs.
     ``serial_below``: experts run one module at a time whose mean batch holds fewer elements run with one
-    intra-op thread (see :mod:`zeroengine.moe.expert_group`; 0: never)."""
+    intra-op thread (for oversubscribed hosts; see :mod:`zeroengine.moe.expert_group`; 0, the default: never)."""
 
     def __init__(self, modules, grouped: str = "auto"):
         super().__init__(modules)
