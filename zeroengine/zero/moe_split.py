@@ -173,8 +173,7 @@ class ExpertShardedOptimizer(ZeroOptimizer):
         for part in self.parts:
             tally.add("grads", part.grad_store.held_tensors())
             tally.add("grads", part._fp32_chunk_grads)
-            if part.has_master_copy:
-                tally.add("master_params", part.chunks)
+            tally.add("master_params", part.chunks)  # views of the parameters were counted above
             tally.add("buffers", part.offload_buffers())
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())

@@ -99,11 +99,6 @@ class ShardedOptimizer(ZeroOptimizer):
         return torch.empty(shape, dtype=dtype, device="cpu",
                            pin_memory=bool(self.offload.pin_memory) and torch.cuda.is_available())
 
-    @property
-    def has_master_copy(self) -> bool:
-        """True when some stepped chunks are separate fp32 tensors (16-bit training, or offloaded buckets)."""
-        return self.policy.mixed or self.offloaded_step is not None
-
     def _pieces_of(self, bucket_index: int) -> list[torch.nn.Parameter]:
         chunk = self.chunks[bucket_index]
         return [torch.nn.Parameter(chunk[p.chunk_start:p.chunk_start + p.numel])
@@ -235,8 +230,9 @@ class ShardedOptimizer(ZeroOptimizer):
         tally.add("params", (p for p in self.module.parameters() if id(p) not in flat_ids))
         tally.add("grads", self.grad_store.held_tensors())
         tally.add("grads", self._fp32_chunk_grads)
-        if self.has_master_copy:
-            tally.add("master_params", self.chunks)
+        # Chunks that are views of the parameters were counted above; the rest are separate fp32 masters
+        # (16-bit training, offloaded buckets, or resident copies of a shard offload_param keeps on the host).
+        tally.add("master_params", self.chunks)
         tally.add("buffers", self.offload_buffers())
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
