@@ -88,8 +88,7 @@ class _RouteGather(torch.autograd.Function):
             else:
                 grad_x = torch.mm(grad_logits, wg)
         if ctx.needs_input_grad[1]:
-            # as x^T @ grad_logits, transposed: MKL runs this operand order ~15% faster at [4096, 512] x [4096, 64]
-            grad_wg = torch.mm(x.t(), grad_logits).t()
+            grad_wg = torch.mm(grad_logits.t(), x)
         return grad_x, grad_wg, None, None, None, None, None
 
 
