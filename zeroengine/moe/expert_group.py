@@ -5,7 +5,7 @@ Note: small experts and threads. Each op of an expert over a small batch (at 64 
 grain size (32768 elements), so 64 experts make ~200 regions per step, each waking the other
 threads and waiting for all of them at its end. On an idle host that pays: measured on a
 2-core host (benchmarks/bench_moe.py, overhead rows, 64 experts top-1) the threaded layer
-is ~16% faster than one run with one thread per op. On an oversubscribed host it does not:
+is ~6-16% faster than one run with one thread per op. On an oversubscribed host it does not:
 a region waits for a thread the scheduler parked, and the same 64 cheap experts went from
 ~7 ms to 0.3-1 s per step, against ~15-30 ms single-threaded. So the choice is the user's:
 with ``ExpertList.serial_below = n`` (elements; off by default, 0), experts whose mean batch
