@@ -41,8 +41,8 @@ def test_fused_copy_out_equals_the_separate_conversion(stage):
             assert torch.equal(state_f[name], value), name
 
 
-def partially_offloaded_bf16(rank, world, stage, ratio):
-    cfg = config(world, stage, "bf16", offload=True)
+def partially_offloaded(rank, world, stage, ratio, dtype):
+    cfg = config(world, stage, dtype, offload=True)
     cfg["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
     zero = engine.optimizer
@@ -51,10 +51,11 @@ def partially_offloaded_bf16(rank, world, stage, ratio):
     return train(engine, rank, world, 0, 3), full_state(engine), len(resident)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_partial_offload_equals_full_offload_bitwise(stage):
-    full = run_distributed(partially_offloaded_bf16, 2, stage, 1.0)
-    partial = run_distributed(partially_offloaded_bf16, 2, stage, 0.5)
+@pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (3, "bf16"), (2, "fp16")])
+def test_partial_offload_equals_full_offload_bitwise(stage, dtype):
+    """fp16: the loss scale is unscaled where each gradient lives, by the same factor, in the same order."""
+    full = run_distributed(partially_offloaded, 2, stage, 1.0, dtype)
+    partial = run_distributed(partially_offloaded, 2, stage, 0.5, dtype)
     for (losses_f, state_f, resident_f), (losses_p, state_p, resident_p) in zip(full, partial):
         assert resident_f == 0 and resident_p > 0
         assert losses_f == losses_p
