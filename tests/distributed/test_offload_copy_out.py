@@ -17,14 +17,19 @@ from zeroengine.testing import run_distributed
 def offloaded_bf16(rank, world, stage, fused):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=config(world, stage, "bf16", offload=True))
     zero = engine.optimizer
-    assert type(zero.optimizer).__name__ == "CPUAdam" and zero.copy_out is not None
-    assert all(b.dtype == torch.bfloat16 for b in zero.copy_out)
+    step = zero.offloaded_step
+    assert type(zero.optimizer).__name__ == "CPUAdam" and step.copy_buffers is not None
+    # two pinned staging buffers of the largest bucket, however many buckets (not a 16-bit copy of the shard)
+    largest = max(b.chunk_numel for b in zero.layout.buckets)
+    assert len(zero.layout.buckets) > 2
+    assert [(b.dtype, b.numel()) for b in step.copy_buffers] == [(torch.bfloat16, largest)] * 2
+    assert sum(t.numel() * t.element_size() for t in zero.offload_buffers()) == 2 * largest * (4 + 2)
     calls = []
     if fused:
         real = zero.optimizer.step_with_copy
         zero.optimizer.step_with_copy = lambda targets: calls.append(len(targets)) or real(targets)
     else:
-        zero.copy_out = zero.offloaded_step.copy_out = None  # the plain path: step, then convert the masters
+        step.copy_buffers = None  # the plain path: step, then convert the masters on the way back
     losses = train(engine, rank, world, 0, 3)
     buckets = len(zero.layout.buckets)  # the offloaded step streams one bucket at a time
     assert len(calls) == (3 * buckets if fused else 0) and all(n > 0 for n in calls)
@@ -47,7 +52,8 @@ def partially_offloaded(rank, world, stage, ratio, dtype):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
     zero = engine.optimizer
     resident = [b.index for b in zero.layout.buckets if not zero.on_host(b.index)]
-    assert all((zero.copy_out is None) or (zero.copy_out[b] is None) for b in resident)
+    host = [b.chunk_numel for b in zero.layout.buckets if zero.on_host(b.index)]
+    assert all(buf.numel() == max(host) for buf in zero.offloaded_step.copy_buffers)
     return train(engine, rank, world, 0, 3), full_state(engine), len(resident)
 
 

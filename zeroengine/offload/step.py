@@ -12,11 +12,16 @@ Instead (Note: double-buffered offload step):
 * the unscale and clip factors are applied on the host buffer, in the same
   order and precision as the in-memory path, so results are bit-identical;
 * the CPU Adam writes the 16-bit copy of the updated values in the same pass
-  (``step_with_copy``), ready to go back up without a conversion.
+  (``step_with_copy``) into one of two pinned staging buffers, ready to go
+  back up without a conversion; the caller starts sending it at once
+  (``bucket_done``) and the buffer is written again two buckets later, after
+  that copy has read it.
 
 Host memory beyond the optimizer's own is therefore two buckets of fp32
-gradients, whatever the model size. Without an accelerator the same code runs
-with synchronous copies.
+gradients and two of 16-bit values, whatever the model size (a 16-bit copy of
+every offloaded element would cost 2 bytes per parameter: 17 GB of pinned
+memory at 10B parameters). Without an accelerator the same code runs with
+synchronous copies.
 """
 from __future__ import annotations
 
@@ -24,29 +29,40 @@ import torch
 
 
 class OffloadedStep:
-    """Steps the offloaded buckets ``buckets`` (layout indices, ascending) of a rank's chunks."""
+    """Steps the offloaded buckets ``buckets`` (layout indices, ascending) of a rank's chunks.
 
-    def __init__(self, optimizer, layout, rank: int, pieces: list[list[torch.nn.Parameter]],
-                 copy_out: list[torch.Tensor | None] | None, pin_memory: bool, buckets: list[int] | None = None):
+    ``chunks[b]`` is bucket b's fp32 master chunk in CPU memory, ``pieces[b]`` the optimizer's params
+    viewing it. ``copy_dtype`` (16-bit training with an optimizer that has ``step_with_copy``): the
+    updated values are also written in that dtype, into the staging buffers (``copy_buffers``).
+    """
+
+    def __init__(self, optimizer, layout, rank: int, chunks: list[torch.Tensor],
+                 pieces: list[list[torch.nn.Parameter]], copy_dtype: torch.dtype | None, pin_memory: bool,
+                 buckets: list[int] | None = None):
         self.optimizer = optimizer
         self.layout = layout
         self.rank = rank
+        self.chunks = chunks
         self.pieces = pieces
-        self.copy_out = copy_out
         self.buckets = list(range(len(layout.buckets))) if buckets is None else sorted(buckets)
         largest = max((layout.buckets[b].chunk_numel for b in self.buckets), default=0)
         pin = pin_memory and torch.cuda.is_available()
-        self.host_grads = [torch.empty(largest, dtype=torch.float32, pin_memory=pin)
-                           for _ in range(min(2, len(self.buckets)))]
+        count = min(2, len(self.buckets))
+        self.host_grads = [torch.empty(largest, dtype=torch.float32, pin_memory=pin) for _ in range(count)]
+        self.copy_buffers: list[torch.Tensor] | None = None
+        if copy_dtype is not None:
+            self.copy_buffers = [torch.empty(largest, dtype=copy_dtype, pin_memory=pin) for _ in range(count)]
         self._stream = None
         self._pending: list[tuple] = [None, None]
+        self._readers: list = [None, None]  # per staging buffer: waits until the last send has read it
 
     @torch.no_grad()
     def run(self, device_grads: list[torch.Tensor | None], inv_scale: float, clip_coef: float,
-            bucket_done=None) -> None:
+            bucket_done) -> None:
         """Step the offloaded buckets: ``device_grads[b]`` is bucket b's (loss-scaled) gradient chunk on the
-        accelerator; ``bucket_done(b)`` (optional) starts sending bucket b's updated values back while the
-        next bucket steps."""
+        accelerator. ``bucket_done(b, values)`` starts sending bucket b's updated values (the 16-bit staging
+        buffer, or the fp32 chunk) back while the next bucket steps; it returns a callable that waits until
+        ``values`` has been read (or None), called before the staging buffer is written again."""
         order = self.buckets
         for i in range(min(2, len(order))):
             self._copy_down(i, order[i], device_grads[order[i]])
@@ -56,11 +72,12 @@ class OffloadedStep:
                 grad.mul_(inv_scale)
             if clip_coef != 1.0:
                 grad.mul_(clip_coef)
-            self._step_bucket(b, self.layout.buckets[b], grad)
-            if bucket_done is not None:
-                bucket_done(b)
+            values = self._step_bucket(i, b, self.layout.buckets[b], grad)
+            self._readers[i % 2] = bucket_done(b, values)
             if i + 2 < len(order):  # the buffer this bucket used is free again
                 self._copy_down(i + 2, order[i + 2], device_grads[order[i + 2]])
+        for i in range(len(self._readers)):  # the next step writes the staging buffers again
+            self._wait_read(i)
 
     def _copy_down(self, i: int, b: int, grad: torch.Tensor | None) -> None:
         """Copy bucket b's gradient chunk (the i-th offloaded bucket) into host buffer i % 2."""
@@ -91,20 +108,32 @@ class OffloadedStep:
         self._pending[i % 2] = None
         return self.host_grads[i % 2][:self.layout.buckets[b].chunk_numel]
 
-    def _step_bucket(self, b: int, bucket, grad: torch.Tensor) -> None:
+    def _wait_read(self, i: int) -> None:
+        reader, self._readers[i % 2] = self._readers[i % 2], None
+        if reader is not None:
+            reader()
+
+    def _step_bucket(self, i: int, b: int, bucket, grad: torch.Tensor) -> torch.Tensor:
+        """Step bucket b (the i-th offloaded one); returns its updated values to send."""
         wheres = bucket.pieces_in_chunk(self.rank)
         for where, piece in zip(wheres, self.pieces[b]):
             piece.grad = grad[where.chunk_start:where.chunk_start + where.numel]
         try:
-            if self.copy_out is None:
+            if self.copy_buffers is None:
                 self.optimizer.step()
-            else:
-                self.optimizer.step_with_copy({
-                    piece: self.copy_out[b][where.chunk_start:where.chunk_start + where.numel]
-                    for where, piece in zip(wheres, self.pieces[b])})
+                return self.chunks[b]
+            self._wait_read(i)  # bucket i-2's values, sent from this buffer, must have been read
+            staging = self.copy_buffers[i % 2][:bucket.chunk_numel]
+            self.optimizer.step_with_copy({
+                piece: staging[where.chunk_start:where.chunk_start + where.numel]
+                for where, piece in zip(wheres, self.pieces[b])})
+            # Pieces are contiguous from the chunk's start; the rest is the bucket's tail padding, zero in
+            # the masters: zero here too rather than what an earlier bucket left in the buffer.
+            staging[sum(w.numel for w in wheres):].zero_()
+            return staging
         finally:
             for piece in self.pieces[b]:
                 piece.grad = None
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return list(self.host_grads)
+        return list(self.host_grads) + list(self.copy_buffers or [])

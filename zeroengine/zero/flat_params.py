@@ -6,6 +6,8 @@ unflatten copies, and a rank's chunk of a bucket is one contiguous slice.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from zeroengine import comm
@@ -61,25 +63,18 @@ class FlatParamBuffer(ParamBuffer):
         """All-gather every bucket's updated chunks into every rank's parameters."""
         self.finish_refresh([self.start_refresh(bucket, chunk) for bucket, chunk in zip(self.layout.buckets, chunks)])
 
-    def start_refresh(self, bucket: Bucket, chunk: torch.Tensor) -> tuple:
+    def start_refresh(self, bucket: Bucket, chunk: torch.Tensor) -> "Refresh":
         """Start the all-gather of one bucket's updated chunk (an offloaded step overlaps it with the next
         bucket's CPU step); :meth:`finish_refresh` waits for what this returns."""
         # A copy, not the chunk itself: in fp32 the chunk aliases the all-gather's output.
-        async_copy = chunk.is_pinned() and self.flat.is_cuda
-        source = chunk.to(device=self.flat.device, dtype=self.flat.dtype, copy=True, non_blocking=async_copy)
-        copied = None
-        if async_copy:  # the host buffer is rewritten by the next step: know when the copy has read it
-            copied = torch.cuda.Event()
-            copied.record()
-        return comm.all_gather(self.bucket_view(bucket), source, group=self.group, async_op=True), source, copied
+        source, copied = copy_to_device(chunk, self.flat)
+        return Refresh(comm.all_gather(self.bucket_view(bucket), source, group=self.group, async_op=True),
+                       source, copied)
 
     @staticmethod
-    def finish_refresh(pending: list[tuple]) -> None:
-        for work, _, copied in pending:
-            if work is not None:
-                work.wait()
-            if copied is not None:
-                copied.synchronize()
+    def finish_refresh(pending: list["Refresh"]) -> None:
+        for refresh in pending:
+            refresh.wait()
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.flat]
@@ -87,6 +82,36 @@ class FlatParamBuffer(ParamBuffer):
     def set_param_value(self, slot, bucket, flat_value: torch.Tensor) -> None:
         """Every rank holds the full parameter: write all of it."""
         self.flat[slot.flat_start:slot.flat_end].copy_(flat_value)
+
+
+def copy_to_device(values: torch.Tensor, like: torch.Tensor):
+    """``(copy, event)``: ``values`` copied to ``like``'s device and dtype; from pinned memory to an
+    accelerator the copy is asynchronous and ``event`` marks when it has read ``values`` (else None)."""
+    async_copy = values.is_pinned() and like.is_cuda
+    copy = values.to(device=like.device, dtype=like.dtype, copy=True, non_blocking=async_copy)
+    copied = None
+    if async_copy:  # the host buffer is written again soon: know when the copy has read it
+        copied = torch.cuda.Event()
+        copied.record()
+    return copy, copied
+
+
+@dataclass
+class Refresh:
+    """One bucket's updated values on their way into the parameters."""
+
+    work: object  # the all-gather (None when synchronous)
+    source: torch.Tensor  # kept alive until the collective is done
+    copied: object = None  # CUDA event: the host values have been read
+
+    def wait_read(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.wait_read()
 
 
 def gather_chunk(params: list[torch.Tensor], bucket: Bucket, rank: int, dtype: torch.dtype) -> torch.Tensor:

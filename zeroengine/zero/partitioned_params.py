@@ -252,12 +252,26 @@ class PartitionedParamBuffer(ParamBuffer):
             "ZEROENGINE_COMM_DEBUG=1) to have each rank's module and call site compared and named.")
 
     # -- after the optimizer step ------------------------------------------------
-    def after_step(self, chunks: list[torch.Tensor]) -> None:
-        """Take the optimizer's updated chunks; re-gather every bucket that is gathered right now."""
+    def write_chunk(self, bucket: Bucket, values: torch.Tensor):
+        """Take one bucket's updated values into this rank's shard now (an offloaded step sends each bucket
+        as it is done); returns a callable that waits until ``values`` has been read."""
+        view = self.chunk_view(bucket, self.rank)
+        with torch.no_grad():
+            if values.is_pinned() and view.is_cuda:
+                view.copy_(values, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                return copied.synchronize
+            view.copy_(values)
+        return None
+
+    def after_step(self, chunks: list[torch.Tensor | None]) -> None:
+        """Take the optimizer's updated chunks (None: already written, see :meth:`write_chunk`); re-gather
+        every bucket that is gathered right now."""
         with torch.no_grad():
             for bucket, chunk in zip(self.layout.buckets, chunks):
                 view = self.chunk_view(bucket, self.rank)
-                if chunk.data_ptr() != view.data_ptr():
+                if chunk is not None and chunk.data_ptr() != view.data_ptr():
                     view.copy_(chunk)
         refresh = [b for b in self.layout.buckets if self.full[b.index] is not None]
         for bucket in refresh:

@@ -53,18 +53,17 @@ class ShardedOptimizer(ZeroOptimizer):
         self.chunks = [self._stepped_chunk(b, fp32_values) for b in buckets]
         self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
         host = sorted(self.placement.host_buckets) if self.placement is not None else []
-        # Offloaded 16-bit training with the C++ CPU Adam: the kernel writes each updated value out in
-        # the model's dtype in the same pass (into pinned buffers), so the copy back needs no conversion.
-        self.copy_out: list[torch.Tensor | None] | None = None
-        if host and policy.mixed and hasattr(optimizer, "step_with_copy"):
-            self.copy_out = [self._host_buffer(c.shape, policy.param_dtype).copy_(c) if self.on_host(i) else None
-                             for i, c in enumerate(self.chunks)]
-        # Offload: the step streams gradients down bucket by bucket (zeroengine/offload/step.py).
+        # Offload: the step streams gradients down bucket by bucket (zeroengine/offload/step.py). In 16-bit
+        # training the C++ CPU Adam writes each updated value out in the model's dtype in the same pass
+        # (into pinned staging buffers), so the copy back needs no conversion.
+        copy_dtype = policy.param_dtype if policy.mixed and hasattr(optimizer, "step_with_copy") else None
         self.offloaded_step = None if not host else OffloadedStep(
-            optimizer, self.layout, rank, self.pieces, self.copy_out, bool(offload.pin_memory), buckets=host)
+            optimizer, self.layout, rank, self.chunks, self.pieces, copy_dtype, bool(offload.pin_memory),
+            buckets=host)
         self.resident_buckets = [b.index for b in buckets if not self.on_host(b.index)]
         self._inv_scale, self._clip_coef = 1.0, 1.0
-        self._refreshing: list[tuple] = []
+        self._refreshing: list = []  # stages 1-2: all-gathers of updated buckets started by the offloaded step
+        self._written: set[int] = set()  # stage 3: buckets the offloaded step already wrote into the shard
         self._fp32_chunk_grads: list[torch.Tensor] = []  # resident buckets' unscaled fp32 gradients
         self._host_grads: list[torch.Tensor] = []  # offloaded buckets' gradients, still loss-scaled
         self._after_backward = after_backward
@@ -186,21 +185,20 @@ class ShardedOptimizer(ZeroOptimizer):
         """After the resident buckets stepped: stream the offloaded ones through the CPU optimizer."""
         if self.offloaded_step is None:
             return
-        values = self._updated_values()
-        refresh = getattr(self.flat_params, "start_refresh", None)  # stages 1-2: overlap the copy back
-        bucket_done = None
-        if refresh is not None:
-            bucket_done = lambda b: self._refreshing.append(refresh(self.layout.buckets[b], values[b]))  # noqa: E731
-            for b in self.resident_buckets:  # their values are final: send them while the CPU steps
-                bucket_done(b)
-        self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef, bucket_done)
+        buckets = self.layout.buckets
+        refresh = getattr(self.flat_params, "start_refresh", None)
+        if refresh is not None:  # stages 1-2: all-gather each update while the CPU steps the next bucket
+            for b in self.resident_buckets:  # final already: send them first
+                self._refreshing.append(refresh(buckets[b], self.chunks[b]))
 
-    def _updated_values(self) -> list[torch.Tensor]:
-        """What a step leaves to send back, per bucket: the 16-bit copy the CPU Adam wrote (offloaded
-        buckets in mixed precision, where ``copy_out`` exists), else the updated chunk."""
-        if self.copy_out is None:
-            return self.chunks
-        return [out if out is not None else chunk for out, chunk in zip(self.copy_out, self.chunks)]
+            def bucket_done(b, values):
+                self._refreshing.append(refresh(buckets[b], values))
+                return self._refreshing[-1].wait_read
+        else:  # stage 3: into this rank's shard at once (the staging buffer is written again soon)
+            def bucket_done(b, values):
+                self._written.add(b)
+                return self.flat_params.write_chunk(buckets[b], values)
+        self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef, bucket_done)
 
     def _refresh_model_params(self) -> None:
         # Stages 1-2 all-gather the updated chunks; stage 3 only refreshes its local shard.
@@ -208,7 +206,8 @@ class ShardedOptimizer(ZeroOptimizer):
             pending, self._refreshing = self._refreshing, []
             self.flat_params.finish_refresh(pending)
             return
-        self.flat_params.after_step(self._updated_values())
+        written, self._written = self._written, set()
+        self.flat_params.after_step([None if b in written else chunk for b, chunk in enumerate(self.chunks)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_store.zero()
@@ -218,10 +217,10 @@ class ShardedOptimizer(ZeroOptimizer):
         self._fp32_chunk_grads, self._host_grads = [], []
 
     def offload_buffers(self) -> list[torch.Tensor]:
-        """Host buffers the offloaded step keeps (16-bit copy-out targets, the two gradient buffers)."""
+        """Host buffers the offloaded step keeps (two buckets of fp32 gradients, two of 16-bit values)."""
         if self.offloaded_step is None:
             return []
-        return [t for t in (self.copy_out or []) if t is not None] + self.offloaded_step.held_tensors()
+        return self.offloaded_step.held_tensors()
 
     def memory_tally(self) -> MemoryTally:
         tally = MemoryTally()
