@@ -42,12 +42,12 @@ def gpt_params(cfg: GPTConfig) -> int:
 
 
 def auto_ratio(params: int, offload_param: bool) -> float:
-    """The share of the optimizer the host can take: each offloaded parameter costs 14 bytes of host memory
-    (fp32 master, Adam m and v, the pinned 16-bit copy-out), offload_param adds 2 per parameter, and zero.Init's
-    fp32 slices (4 per parameter) are held while initialize() cuts the masters; 10% of the available memory
-    is left for everything else."""
+    """The share of the optimizer the host can take: each offloaded parameter costs 12 bytes of host memory
+    (fp32 master, Adam m and v; the 16-bit copy-out is two staging buckets), offload_param adds 2 per
+    parameter, and the fp32 values zero.Init kept (4 per parameter) are held while initialize() cuts the
+    masters from them; 10% of the available memory is left for everything else."""
     available = _meminfo_bytes("MemAvailable") * 0.9 - (2 * params if offload_param else 0)
-    return max(0.0, min(1.0, available / (14 * params), (available - 4 * params) / (4 * params)))
+    return max(0.0, min(1.0, available / (12 * params), (available - 4 * params) / (4 * params)))
 
 
 def _meminfo_bytes(key: str) -> int:
