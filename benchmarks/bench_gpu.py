@@ -85,6 +85,9 @@ def throughput_runs(models: list[str], micro: int) -> list[dict]:
         runs.append({"name": name, "stage": 2, "dtype": "fp16"})
         for stage in (1, 2, 3):
             runs.append({"name": name, "stage": stage, "dtype": "bf16", "offload_optimizer": True})
+        # partial optimizer offload (half the Adam state on the GPU), and parameters offloaded too
+        runs.append({"name": name, "stage": 3, "dtype": "bf16", "offload_optimizer": True, "ratio": 0.5})
+        runs.append({"name": name, "stage": 3, "dtype": "bf16", "offload_optimizer": True, "offload_param": True})
     for r in runs:
         r.update(model=MODELS[r["name"]], micro=micro)
     return runs
@@ -174,6 +177,7 @@ def _write(path: str, report: dict) -> None:
 
 def _print_row(r: dict) -> None:
     offload = f" +offload {r.get('ratio_used', r.get('ratio', 1.0))}" if r.get("offload_optimizer") else ""
+    offload += " +params" if r.get("offload_param") else ""
     what = f"{r['name']:>10} s{r['stage']} {r['dtype']}{offload:15}"
     if "error" in r:
         print(f"{what} | {r['error'][:150]}", flush=True)
