@@ -70,15 +70,36 @@ def topk_gate_reference(logits: torch.Tensor, select: torch.Tensor, k: int, capa
             "order": order, "l_aux": l_aux}
 
 
+def kernel_forward(kernel, logits, select, k: int, capacity: int | None, renormalize: bool):
+    """Softmax, then the kernel's one pass: ``(probs, kernel outputs, l_aux, aux scale)``; the outputs are
+    (expert_index, chosen, kept, weights, exp_counts, kept_counts, first_counts, prob_sum, rows, index, order).
+    Shared by this gate and the gate-plus-gather node (:mod:`zeroengine.moe.fused_route`)."""
+    probs = torch.softmax(logits, dim=-1)
+    outs = kernel.topk_gate_forward(probs, select, k, -1 if capacity is None else capacity, renormalize)
+    tokens, num = logits.shape
+    scale = num / max(tokens, 1) ** 2
+    first_counts, prob_sum = outs[6], outs[7]
+    return probs, outs, torch.dot(first_counts.float(), prob_sum) * scale, scale
+
+
+def kernel_grad_logits(kernel, probs, expert_index, chosen, kept, first_counts, grad_weights, grad_l_aux,
+                       scale: float, renormalize: bool) -> torch.Tensor:
+    """The logits' gradient from the combine weights' and l_aux's gradients (either may be None)."""
+    if grad_weights is None:
+        grad_weights = torch.zeros_like(chosen)
+    # d l_aux / d probs[t, e] = scale * first_counts[e], the same for every token.
+    aux_coef = (first_counts.float() * scale * grad_l_aux if grad_l_aux is not None
+                else torch.zeros(probs.shape[1]))
+    return kernel.topk_gate_backward(probs, expert_index, chosen, kept, grad_weights.float().contiguous(),
+                                     aux_coef.contiguous(), renormalize)
+
+
 class _FusedTopKGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, select, k, capacity, renormalize, kernel):
-        probs = torch.softmax(logits, dim=-1)
-        (expert_index, chosen, kept, weights, exp_counts, kept_counts, first_counts, prob_sum, rows, index,
-         order) = kernel.topk_gate_forward(probs, select, k, -1 if capacity is None else capacity, renormalize)
-        tokens, num = logits.shape
-        scale = num / max(tokens, 1) ** 2
-        l_aux = torch.dot(first_counts.float(), prob_sum) * scale
+        probs, outs, l_aux, scale = kernel_forward(kernel, logits, select, k, capacity, renormalize)
+        (expert_index, chosen, kept, weights, exp_counts, kept_counts, first_counts, _prob_sum, rows, index,
+         order) = outs
         ctx.save_for_backward(probs, expert_index, chosen, kept, first_counts)
         ctx.kernel, ctx.renormalize, ctx.scale = kernel, renormalize, scale
         ctx.mark_non_differentiable(expert_index, kept, exp_counts, kept_counts, first_counts, rows, index, order)
@@ -87,13 +108,8 @@ class _FusedTopKGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weights, grad_l_aux, *_):
         probs, expert_index, chosen, kept, first_counts = ctx.saved_tensors
-        if grad_weights is None:
-            grad_weights = torch.zeros_like(chosen)
-        # d l_aux / d probs[t, e] = scale * first_counts[e], the same for every token.
-        aux_coef = (first_counts.float() * ctx.scale * grad_l_aux if grad_l_aux is not None
-                    else torch.zeros(probs.shape[1]))
-        grad = ctx.kernel.topk_gate_backward(probs, expert_index, chosen, kept, grad_weights.float().contiguous(),
-                                             aux_coef.contiguous(), ctx.renormalize)
+        grad = kernel_grad_logits(ctx.kernel, probs, expert_index, chosen, kept, first_counts, grad_weights,
+                                  grad_l_aux, ctx.scale, ctx.renormalize)
         return grad, None, None, None, None, None
 
 

@@ -17,7 +17,7 @@ import torch
 
 from zeroengine.ops.moe_dispatch import cpu_kernel
 
-from .fused_gate import MAX_K
+from .fused_gate import MAX_K, kernel_forward, kernel_grad_logits
 from .gate import TopKGate
 from .grouped import _has_hooks
 
@@ -50,12 +50,9 @@ class _RouteGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wg, k, capacity, renormalize, split, kernel):
         logits = torch.mm(x, wg.t())
-        probs = torch.softmax(logits, dim=-1)
-        (expert_index, chosen, kept, weights, exp_counts, kept_counts, first_counts, prob_sum, rows, index,
-         _order) = kernel.topk_gate_forward(probs, logits, k, -1 if capacity is None else capacity, renormalize)
-        tokens, num = logits.shape
-        scale = num / max(tokens, 1) ** 2
-        l_aux = torch.dot(first_counts.float(), prob_sum) * scale
+        probs, outs, l_aux, scale = kernel_forward(kernel, logits, logits, k, capacity, renormalize)
+        (expert_index, chosen, kept, weights, exp_counts, kept_counts, first_counts, _prob_sum, rows, index,
+         _order) = outs
         if split:
             gathered = tuple(kernel.gather_rows_split(x, index, kept_counts.tolist()))
         else:
@@ -71,14 +68,8 @@ class _RouteGather(torch.autograd.Function):
         x, wg, probs, expert_index, chosen, kept, first_counts, rows = ctx.saved_tensors
         grad_rows, (grad_weights, grad_l_aux) = grads[:-5], grads[-5:-3]
         kernel = ctx.kernel
-        if grad_weights is None:
-            grad_weights = torch.zeros_like(chosen)
-        # d l_aux / d probs[t, e] = scale * first_counts[e], the same for every token.
-        aux_coef = (first_counts.float() * ctx.scale * grad_l_aux if grad_l_aux is not None
-                    else torch.zeros(probs.shape[1]))
-        grad_logits = kernel.topk_gate_backward(probs, expert_index, chosen, kept,
-                                                grad_weights.float().contiguous(), aux_coef.contiguous(),
-                                                ctx.renormalize)
+        grad_logits = kernel_grad_logits(kernel, probs, expert_index, chosen, kept, first_counts, grad_weights,
+                                         grad_l_aux, ctx.scale, ctx.renormalize)
         grad_x = grad_wg = None
         if ctx.needs_input_grad[0]:
             if any(g is not None for g in grad_rows):
