@@ -192,3 +192,21 @@ def test_unsupported_remote_device_is_refused_by_name(remote_device, message):
     with pytest.raises(ValueError, match=message) as info:
         Init(remote_device=remote_device)
     assert "remote_device" in str(info.value)
+
+
+def _converted_before_initialize(rank, world, remote_device):
+    model, _ = _init_gpt(remote_device=remote_device)
+    model.to(torch.float64)  # a conversion before initialize(): the slices follow the placeholders
+    shards = [zeroengine.zero.param_guard.info_of(p).init_shard for p in model.parameters()]
+    with GatheredParameters(list(model.parameters())):
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {(s.shard.dtype, s.shard.device.type, s.compute_device.type) for s in shards}, state
+
+
+@pytest.mark.parametrize("remote_device", [None, "cpu"])
+def test_conversion_before_initialize_converts_the_slices(remote_device):
+    want = make_model().double().state_dict()
+    for kinds, state in run_distributed(_converted_before_initialize, 2, remote_device):
+        assert kinds == {(torch.float64, "cpu", "cpu")}
+        for name, value in want.items():
+            assert torch.equal(state[name], value), name

@@ -71,3 +71,23 @@ def test_built_on_cuda_under_init_with_cpu_slices_trains_with_partial_offload():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-5)
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_init_slices_stay_in_cpu_memory_when_the_model_moves_to_cuda():
+    """Built on the CPU with remote_device="cpu", then initialize() moves the model to the GPU: the slices
+    stay in CPU memory (only the full values are gathered on the GPU), and training matches the reference."""
+    from model import GPT
+    from parity import TINY
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, _ = reference_run(STEPS, 2, 1, micro=4, clip=0.5)
+    cfg = base_config(4, 2, 1, 0.5, dtype="fp32", stage=3)
+    torch.manual_seed(0)
+    with zeroengine.zero.Init(config=cfg, remote_device="cpu"):
+        model = GPT(TINY)
+    model.to("cuda")
+    shards = [zeroengine.zero.param_guard.info_of(p).init_shard for p in model.parameters()]
+    assert all(s.shard.device.type == "cpu" and s.compute_device.type == "cuda" for s in shards)
+    engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
+    losses = engine_losses(engine, global_batches(STEPS, 2, 1, 4), 0, 1, device="cuda")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-4, rtol=1e-5)

@@ -62,9 +62,10 @@ class InitShard:
         self.rank, self.world, self.group = rank, world, group
         self.chunk = -(-self.numel // world)
         self.compute_device = flat.device  # where the full value is built and gathered
-        device = flat.device if device is None else device
-        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
-        self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=device, pin_memory=pin)
+        self.home = device  # remote_device: the slice stays there whatever device the model moves to
+        self.pin = pin_memory and device is not None and device.type == "cpu" and torch.cuda.is_available()
+        self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device if device is None else device,
+                                 pin_memory=self.pin)
         lo, hi = min(rank * self.chunk, self.numel), min((rank + 1) * self.chunk, self.numel)
         self.shard[:hi - lo].copy_(flat[lo:hi])
 
@@ -80,10 +81,17 @@ class InitShard:
         return full[:self.numel]
 
     def convert(self, param, func, args, kwargs):
-        """``module.to(...)`` before initialize(): convert this slice alongside the (empty) placeholder."""
+        """``module.to(...)`` before initialize(): convert this slice alongside the (empty) placeholder; with
+        a remote device only its dtype changes, and the full values are built and gathered where the
+        placeholder went."""
         with torch._C.DisableTorchFunction():
-            self.shard = func(self.shard, *args, **kwargs)
-            return func(param, *args, **kwargs)
+            placeholder = func(param, *args, **kwargs)
+            shard = func(self.shard, *args, **kwargs)
+            if self.home is not None and shard.device != self.home:
+                shard = shard.to(self.home)
+                shard = shard.pin_memory() if self.pin else shard
+            self.shard, self.compute_device = shard, placeholder.device
+            return placeholder
 
 
 class _InitState:
