@@ -1,4 +1,6 @@
 """offload_optimizer.ratio: which buckets are offloaded (whole buckets, a prefix of the layout, nearest)."""
+import logging
+
 import pytest
 
 from zeroengine.config import ConfigError, load_config
@@ -42,3 +44,13 @@ def test_config_ratio_loads_for_every_sharded_stage():
         cfg = load_config({"train_batch_size": 4, "zero_optimization": {
             "stage": stage, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}})
         assert cfg.zero_optimization.offload_optimizer.ratio == 0.25
+
+
+def test_a_split_far_from_the_ratio_is_a_warning_naming_the_bucket_size(caplog):
+    with caplog.at_level(logging.INFO, logger="zeroengine.offload.placement"):
+        place_buckets([100] * 3, 0.5)  # 2/3 offloaded: 0.17 away from what was asked
+        place_buckets([100] * 10, 0.5)  # exact
+    far, close = caplog.records
+    assert far.levelno == logging.WARNING and "reduce_bucket_size" in far.getMessage()
+    assert "0.667" in far.getMessage()
+    assert close.levelno == logging.INFO and "0.500 of the optimizer state" in close.getMessage()

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+ROUNDING_WARNING = 0.05  # warn when the whole-bucket split is further than this from the ratio
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ def place_buckets(chunk_numels: list[int], ratio: float) -> OffloadPlacement:
         chosen.append(index)
     placement = OffloadPlacement(frozenset(chosen), host, total)
     if ratio < 1.0:
-        logger.info("offload_optimizer.ratio %.3f: %d of %d buckets offloaded (%.3f of the optimizer state)",
-                    ratio, len(chosen), len(chunk_numels), placement.fraction)
+        # Buckets are the unit: with few large ones the share can land far from what was asked. Say so.
+        far = abs(placement.fraction - ratio) > ROUNDING_WARNING
+        (logger.warning if far else logger.info)(
+            "zero_optimization.offload_optimizer.ratio %.3f: %d of %d buckets offloaded, %.3f of the optimizer "
+            "state%s", ratio, len(chosen), len(chunk_numels), placement.fraction,
+            " (whole buckets; a smaller zero_optimization.reduce_bucket_size gives a closer split)" if far else "")
     return placement
