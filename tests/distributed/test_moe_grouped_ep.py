@@ -1,6 +1,7 @@
 """Stacked (grouped-GEMM) experts under expert parallelism equal one rank holding every expert as
 per-expert modules: outputs, l_aux, input gradients and expert gradients (2 ranks, ep_size 2), and
 ZeRO's domain split puts the stacked parameters in the expert domain."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -67,5 +68,66 @@ def _worker(rank, world):
 
 def test_stacked_experts_expert_parallel_equal_single_rank():
     names = run_distributed(_worker, 2)
-    assert names[0] == [f"local_experts.{n}.experts_0_1" for n in ("b1", "b2", "w1", "w2")]
-    assert names[1] == [f"local_experts.{n}.experts_2_3" for n in ("b1", "b2", "w1", "w2")]
+    # one stored tensor [num_experts, ...] per stacked parameter; each rank holds its own range of it
+    assert names[0] == names[1] == [f"local_experts.{n}" for n in ("b1", "b2", "w1", "w2")]
+
+
+# -- checkpoints reshard stacked experts over ep_size ------------------------------------------------
+
+class _StackedNet(nn.Module):
+    def __init__(self, ep_size):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(H, H)
+        self.moe = MoE(H, _expert(), num_experts=EXPERTS, ep_size=ep_size, k=2, drop_tokens=False,
+                       expert_layout="stacked")
+        self.moe.init_experts(_init, seed=11)
+
+    def forward(self, x, y):
+        out, l_aux, _ = self.moe(self.inp(x))
+        return torch.nn.functional.mse_loss(out, y) + 0.01 * l_aux
+
+
+def _stacked_engine(world, ep_size):
+    import zeroengine
+
+    cfg = {"train_micro_batch_size_per_gpu": TOKENS, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = zeroengine.initialize(model=_StackedNet(ep_size), config=cfg)
+    return engine
+
+
+def _steps(engine, rank, first, count):
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(TOKENS, H, generator=g), torch.randn(TOKENS, H, generator=g)
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def _stacked_resume(rank, world, save_dir, save_ep, load_ep):
+    straight = _stacked_engine(world, load_ep)
+    _steps(straight, rank, 0, 4)
+    first = _stacked_engine(world, save_ep)
+    _steps(first, rank, 0, 2)
+    first.save_checkpoint(save_dir, tag="half")
+    resumed = _stacked_engine(world, load_ep)
+    resumed.load_checkpoint(save_dir, tag="half")
+    _steps(resumed, rank, 2, 2)
+    return ({n: p.detach().clone() for n, p in straight.module.named_parameters()},
+            {n: p.detach().clone() for n, p in resumed.module.named_parameters()})
+
+
+@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), (1, 2)])
+def test_stacked_expert_checkpoint_reshards_over_ep_size(tmp_path, save_ep, load_ep):
+    for straight, resumed in run_distributed(_stacked_resume, 2, str(tmp_path / "run"), save_ep, load_ep):
+        assert straight["moe.local_experts.w1"].shape[0] == EXPERTS // load_ep
+        for name, value in straight.items():
+            torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    # consolidated: one [num_experts, ...] tensor per stacked parameter, as a one-rank model has it
+    from zeroengine.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "run"), tag="half")
+    assert state["moe.local_experts.w1"].shape == (EXPERTS, 16, H)
+    whole = _StackedNet(1).state_dict()
+    assert set(state) == set(whole) and all(state[k].shape == v.shape for k, v in whole.items())

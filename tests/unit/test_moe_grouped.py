@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zeroengine.moe import MoE, expert_checkpoint_names, expert_tag, is_expert_param
+from zeroengine.moe import MoE, expert_checkpoint_names, expert_checkpoint_places, expert_tag, is_expert_param
 from zeroengine.moe.experts import ExpertList
 from zeroengine.moe.grouped import GroupedMLPExperts, grouped_mlp, grouped_mlp_modules, mlp_spec
 
@@ -145,7 +145,9 @@ def test_stacked_layout_tags_names_and_initialisation():
     assert len(tags) == 1 and (t := tags.pop()).expert_id == 0 and t.count == 3 and t.ep_size == 1
     assert not is_expert_param(model[0].weight) and not any(is_expert_param(p) for p in model[1].gate.parameters())
     names = expert_checkpoint_names(model)
-    assert names == {f"1.local_experts.{n}": f"1.local_experts.{n}.experts_0_2" for n in ("w1", "b1", "w2", "b2")}
+    assert names == {f"1.local_experts.{n}": f"1.local_experts.{n}" for n in ("w1", "b1", "w2", "b2")}
+    places = expert_checkpoint_places(model)  # all three experts: offset 0 of a [3, ...] stored tensor
+    assert places["1.local_experts.w1"].offset == 0 and places["1.local_experts.w1"].shape == (3, F, H)
     # init_experts gives expert g the weights it gets as a module, whatever the layout
     model[1].init_experts(_init, seed=9)
     modules = MoE(H, _expert(), num_experts=3)

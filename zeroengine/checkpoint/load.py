@@ -18,12 +18,11 @@ import torch
 from zeroengine import comm
 from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters
-from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
 from .agreement import exchange, raise_failures
 from .files import CheckpointError, load_tensors
-from .state import parameter_names, restore_rng
+from .state import parameter_places, restore_rng, stored_shape
 
 
 def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
@@ -66,14 +65,14 @@ class _Plan:
         if self.tag_dir is None:
             return
         self.manifest = mf.Manifest.read(self.tag_dir)
-        self.names = parameter_names(engine.module)
+        self.places = parameter_places(engine.module)
         self.pieces = engine.optimizer.checkpoint_pieces()
         self._check_params()
         needed = {mf.COMMON}
         if os.path.exists(self.manifest.path(mf.shard_file(comm.get_rank()))):
             needed.add(mf.shard_file(comm.get_rank()))
         for piece in self.pieces:
-            for entry in self.manifest.entries_overlapping(self.names[id(piece.param)], piece.start, piece.end):
+            for entry in self._entries(piece):
                 needed.add(entry.file)
         self.files = {}
         for file in sorted(needed):
@@ -84,9 +83,18 @@ class _Plan:
             self.files[file] = load_tensors(self.manifest.verify_file(file))
         self.common = self.files[mf.COMMON]
 
+    def _stored(self, piece) -> tuple[str, int, int]:
+        """(stored name, start, end) of a piece's elements in the checkpoint."""
+        place = self.places[id(piece.param)]
+        return place.name, place.offset + piece.start, place.offset + piece.end
+
+    def _entries(self, piece):
+        return self.manifest.entries_overlapping(*self._stored(piece))
+
     def _check_params(self) -> None:
         saved = self.manifest.params
-        mine = {self.names[id(p)]: full_shape(p) for p in self.engine.optimizer.checkpoint_params()}
+        mine = {self.places[id(p)].name: stored_shape(self.places[id(p)], p)
+                for p in self.engine.optimizer.checkpoint_params()}
         missing = sorted(set(mine) - set(saved))
         if missing:
             raise CheckpointError(f"checkpoint {self.tag_dir} has no values for parameter(s) {missing[:8]}"
@@ -102,19 +110,19 @@ class _Plan:
         if with_optimizer_state:
             state.clear()
         for piece in self.pieces:
-            name = self.names[id(piece.param)]
-            entries = self.manifest.entries_overlapping(name, piece.start, piece.end)
-            value = torch.empty(piece.end - piece.start, dtype=torch.float32)
+            name, start, end = self._stored(piece)
+            entries = self.manifest.entries_overlapping(name, start, end)
+            value = torch.empty(end - start, dtype=torch.float32)
             moments: dict[str, torch.Tensor] = {}
             scalars: dict = {}
             for e in entries:
                 src = self.files[e.file]["entries"][e.index]
-                lo, hi = max(piece.start, e.start), min(piece.end, e.end)
-                value[lo - piece.start:hi - piece.start] = src["value"][lo - e.start:hi - e.start]
+                lo, hi = max(start, e.start), min(end, e.end)
+                value[lo - start:hi - start] = src["value"][lo - e.start:hi - e.start]
                 for key, v in src["state"].items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        dst = moments.setdefault(key, torch.empty(piece.end - piece.start, dtype=v.dtype))
-                        dst[lo - piece.start:hi - piece.start] = v[lo - e.start:hi - e.start]
+                        dst = moments.setdefault(key, torch.empty(end - start, dtype=v.dtype))
+                        dst[lo - start:hi - start] = v[lo - e.start:hi - e.start]
                     else:
                         scalars.setdefault(key, v)
             piece.value.copy_(value.view(piece.value.shape))

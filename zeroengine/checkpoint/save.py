@@ -27,12 +27,11 @@ import torch
 from zeroengine import comm
 from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters
-from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
 from .agreement import exchange, raise_failures
 from .files import CheckpointError, fsync_dir, save_json, save_tensors, save_text
-from .state import capture_rng, check_plain, parameter_aliases, parameter_names
+from .state import capture_rng, check_plain, parameter_aliases, parameter_names, parameter_places, stored_shape
 
 
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
@@ -106,7 +105,7 @@ def _agreed_tag(engine, arrival: list[dict]) -> str:
 
 def _write_shard(engine, staging: str, rank: int) -> dict:
     """This rank's slices: every piece it owns (stage 0: one replica writes), with its optimizer state."""
-    names = parameter_names(engine.module)
+    places = parameter_places(engine.module)
     state = engine.optimizer.state
     entries, index = [], []
     for piece in engine.optimizer.checkpoint_pieces():
@@ -118,7 +117,8 @@ def _write_shard(engine, staging: str, rank: int) -> dict:
         opt_state = {k: (v.detach().reshape(-1) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                      for k, v in state.get(piece.opt_param, {}).items()}
         entries.append({"value": value.float() if value.dtype != torch.float32 else value, "state": opt_state})
-        index.append([names[id(piece.param)], piece.start, piece.end])
+        place = places[id(piece.param)]
+        index.append([place.name, place.offset + piece.start, place.offset + piece.end])
     name = mf.shard_file(rank)
     info = save_tensors({"rank": rank, "rng": capture_rng(), "entries": entries}, os.path.join(staging, name))
     return {name: {**info, "rank": rank, "entries": index}}
@@ -153,14 +153,17 @@ def _common_state(engine, module_extras, client_state) -> dict:
 
 def _param_table(engine) -> dict:
     """Name -> full shape and param-group index of the parameters this rank knows (merged over ranks)."""
-    names = parameter_names(engine.module)
+    places = parameter_places(engine.module)
     group_of = {id(p): i for i, g in enumerate(engine.optimizer.param_groups) for p in g["params"]}
     groups = {}
     for piece in engine.optimizer.checkpoint_pieces():
-        groups.setdefault(names[id(piece.param)], group_of.get(id(piece.opt_param)))
+        groups.setdefault(places[id(piece.param)].name, group_of.get(id(piece.opt_param)))
     dtype = str(engine.policy.param_dtype).replace("torch.", "")  # the model's; stored values are fp32
-    return {names[id(p)]: {"shape": list(full_shape(p)), "dtype": dtype, "group": groups.get(names[id(p)])}
-            for p in engine.optimizer.checkpoint_params()}
+    table = {}
+    for p in engine.optimizer.checkpoint_params():
+        place = places[id(p)]
+        table[place.name] = {"shape": stored_shape(place, p), "dtype": dtype, "group": groups.get(place.name)}
+    return table
 
 
 def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool) -> None:

@@ -3,27 +3,43 @@ from __future__ import annotations
 
 import random
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from .files import CheckpointError
 
+if TYPE_CHECKING:
+    from zeroengine.moe.params import StoredAs
+
+
+def parameter_places(module: torch.nn.Module) -> dict[int, "StoredAs"]:
+    """id(parameter) -> where its values are stored: a name (the first one, for a parameter shared under
+    several names), and for stacked MoE experts an element offset into a larger stored tensor."""
+    from zeroengine.moe.params import StoredAs, expert_checkpoint_places
+
+    places: dict[int, StoredAs] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), StoredAs(name))
+    # expert parameters on different expert-parallel ranks share local names: use their global identity
+    experts = expert_checkpoint_places(module)
+    by_local = {place.name: pid for pid, place in places.items()}
+    for local, place in experts.items():
+        if local in by_local:
+            places[by_local[local]] = place
+    return places
+
 
 def parameter_names(module: torch.nn.Module) -> dict[int, str]:
-    """id(parameter) -> its name (the first one, for a parameter shared under several names)."""
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    try:  # expert parameters on different expert-parallel ranks share local names: use global ones
-        from zeroengine.moe import expert_checkpoint_names
-    except ImportError:
-        return names
-    renamed = expert_checkpoint_names(module)
-    by_local = {name: pid for pid, name in names.items()}
-    for local, global_name in renamed.items():
-        if local in by_local:
-            names[by_local[local]] = global_name
-    return names
+    """id(parameter) -> the name its values are stored under (see :func:`parameter_places`)."""
+    return {pid: place.name for pid, place in parameter_places(module).items()}
+
+
+def stored_shape(place, p: torch.Tensor) -> list[int]:
+    """The shape of the tensor ``p``'s values are stored in (its own, or a stacked expert's global one)."""
+    from zeroengine.zero.param_guard import full_shape
+
+    return list(place.shape) if place.shape is not None else list(full_shape(p))
 
 
 def parameter_aliases(module: torch.nn.Module, names: dict[int, str]) -> dict[str, str]:

@@ -3,7 +3,7 @@
 Public: :class:`MoE` (DESIGN.md), :class:`TopKGate` and :class:`GateOutput` (for
 custom routers), the process groups (:func:`expert_groups`), and what ZeRO and
 checkpoints need about expert parameters (:func:`is_expert_param`,
-:func:`expert_data_parallel_group`, :func:`expert_checkpoint_names`).
+:func:`expert_data_parallel_group`, :func:`expert_checkpoint_places`).
 See docs/moe.md.
 """
 from .gate import GateOutput, TopKGate, capacity_for, load_balancing_loss, router_z_loss
@@ -11,13 +11,16 @@ from .groups import ExpertGroups, expert_groups
 from .layer import MoE
 from .params import (
     ExpertTag,
+    StoredAs,
     expert_checkpoint_names,
+    expert_checkpoint_places,
     expert_data_parallel_group,
     expert_groups_of,
     expert_tag,
     is_expert_param,
 )
 
-__all__ = ["ExpertGroups", "ExpertTag", "GateOutput", "MoE", "TopKGate", "capacity_for", "expert_checkpoint_names",
+__all__ = ["ExpertGroups", "ExpertTag", "GateOutput", "MoE", "StoredAs", "TopKGate", "capacity_for",
+           "expert_checkpoint_names", "expert_checkpoint_places",
            "expert_data_parallel_group", "expert_groups", "expert_groups_of", "expert_tag", "is_expert_param",
            "load_balancing_loss", "router_z_loss"]

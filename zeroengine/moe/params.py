@@ -3,9 +3,12 @@
 Every parameter of a local expert carries one attribute, ``ze_moe_expert``, an
 :class:`ExpertTag` (its ``ep_size`` and global expert id). ZeRO reads it to
 reduce and partition the parameter within its expert-data-parallel group;
-checkpoints read it (through :func:`expert_checkpoint_names`) to store the
-parameter under a name no other rank uses: on every EP rank the experts are
-``local_experts.0 ...``, so local names collide, global ones do not.
+checkpoints read it (through :func:`expert_checkpoint_places`) to store the
+parameter under its global identity: on every EP rank the experts are
+``local_experts.0 ...``, so local names collide, global ones do not. A stacked
+``[count, ...]`` parameter (experts ``a .. a+count-1``) is stored as its range of
+the ``[num_experts, ...]`` tensor every rank's stacks make together, so it too
+reshards over any ``ep_size``.
 """
 from __future__ import annotations
 
@@ -58,38 +61,54 @@ def expert_data_parallel_group(p: torch.Tensor):
     return expert_groups_of(p).edp_group
 
 
-def expert_checkpoint_names(module: torch.nn.Module) -> dict[str, str]:
-    """``{local name: global name}`` for every expert parameter of ``module``.
+@dataclass(frozen=True)
+class StoredAs:
+    """Where a parameter's flat values go in a checkpoint: elements ``[offset, offset + numel)`` of the
+    stored tensor ``name``, whose shape is ``shape`` (None: the parameter's own shape, offset 0)."""
+
+    name: str
+    offset: int = 0
+    shape: tuple[int, ...] | None = None
+
+
+def expert_checkpoint_places(module: torch.nn.Module) -> dict[str, StoredAs]:
+    """``{local name: StoredAs}`` for every expert parameter of ``module``.
 
     The local name is the one ``module.named_parameters()`` gives
-    (``...moe.local_experts.<local index>.<rest>``); in the global name the local
-    index is replaced by the global expert id, so the names of all ranks'
-    experts together are unique and a checkpoint can be resharded over any
-    ``ep_size`` that divides ``num_experts``. Dense parameters are not listed.
-
-    Stacked experts (:class:`~zeroengine.moe.grouped.GroupedMLPExperts`) hold experts
-    ``a .. b`` in one parameter: ``...local_experts.w1`` is stored as
-    ``...local_experts.w1.experts_<a>_<b>``, unique across ranks; such a checkpoint
-    loads back at the same ``ep_size`` only.
+    (``...moe.local_experts.<local index>.<rest>``); it is stored under the name
+    with the local index replaced by the global expert id. Stacked experts
+    (:class:`~zeroengine.moe.grouped.GroupedMLPExperts`) hold experts ``a .. b`` in
+    one ``[count, ...]`` parameter ``...local_experts.w1``: stored as elements
+    ``a * per_expert ..`` of ``...local_experts.w1`` shaped ``[num_experts, ...]``.
+    Either way a checkpoint reshards over any ``ep_size`` that divides
+    ``num_experts``. Dense parameters are not listed.
     """
     from .grouped import GroupedMLPExperts
     from .layer import MoE
 
     present = dict(module.named_parameters())
-    names: dict[str, str] = {}
+    places: dict[str, StoredAs] = {}
     for prefix, sub in module.named_modules():
         if not isinstance(sub, MoE):
             continue
         head = f"{prefix}.local_experts" if prefix else "local_experts"
         if isinstance(sub.local_experts, GroupedMLPExperts):
-            first, last = sub.global_expert_ids[0], sub.global_expert_ids[-1]
+            first = sub.global_expert_ids[0]
             for rest, p in sub.local_experts.named_parameters():
                 if present.get(f"{head}.{rest}") is p:
-                    names[f"{head}.{rest}"] = f"{head}.{rest}.experts_{first}_{last}"
+                    per_expert = p[0].numel() if p.shape[0] else 0
+                    places[f"{head}.{rest}"] = StoredAs(f"{head}.{rest}", first * per_expert,
+                                                        (sub.num_experts, *p.shape[1:]))
             continue
         for local, (gid, expert) in enumerate(zip(sub.global_expert_ids, sub.local_experts)):
             for rest, p in expert.named_parameters():
                 local_name = f"{head}.{local}.{rest}"
                 if present.get(local_name) is p:
-                    names[local_name] = f"{head}.{gid}.{rest}"
-    return names
+                    places[local_name] = StoredAs(f"{head}.{gid}.{rest}")
+    return places
+
+
+def expert_checkpoint_names(module: torch.nn.Module) -> dict[str, str]:
+    """``{local name: stored name}`` for every expert parameter (see :func:`expert_checkpoint_places`;
+    a stacked parameter's stored name is shared by the ranks, each holding its own range of it)."""
+    return {local: place.name for local, place in expert_checkpoint_places(module).items()}
