@@ -1,6 +1,10 @@
 """Stacked (grouped-GEMM) experts under expert parallelism equal one rank holding every expert as
 per-expert modules: outputs, l_aux, input gradients and expert gradients (2 ranks, ep_size 2), and
 ZeRO's domain split puts the stacked parameters in the expert domain."""
+import json
+import math
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -105,12 +109,16 @@ def _steps(engine, rank, first, count):
         engine.step()
 
 
-def _stacked_resume(rank, world, save_dir, save_ep, load_ep):
+def _stacked_resume(rank, world, save_dir, save_ep, load_ep, per_rank_names=False):
     straight = _stacked_engine(world, load_ep)
     _steps(straight, rank, 0, 4)
     first = _stacked_engine(world, save_ep)
     _steps(first, rank, 0, 2)
     first.save_checkpoint(save_dir, tag="half")
+    if per_rank_names:
+        if rank == 0:
+            _write_per_rank_names(os.path.join(save_dir, "half", "manifest.json"), EXPERTS // save_ep)
+        comm.barrier()
     resumed = _stacked_engine(world, load_ep)
     resumed.load_checkpoint(save_dir, tag="half")
     _steps(resumed, rank, 2, 2)
@@ -118,9 +126,36 @@ def _stacked_resume(rank, world, save_dir, save_ep, load_ep):
             {n: p.detach().clone() for n, p in resumed.module.named_parameters()})
 
 
-@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), (1, 2)])
-def test_stacked_expert_checkpoint_reshards_over_ep_size(tmp_path, save_ep, load_ep):
-    for straight, resumed in run_distributed(_stacked_resume, 2, str(tmp_path / "run"), save_ep, load_ep):
+def _write_per_rank_names(path, count):
+    """Rewrite a manifest the way zeroengine named stacked experts before (``w1.experts_<a>_<b>``, one
+    [count, ...] tensor per rank's stack)."""
+    with open(path) as f:
+        data = json.load(f)
+    params = data["params"]
+    stacked = [n for n in params if n.startswith("moe.local_experts.")]
+    per = {n: math.prod(params[n]["shape"][1:]) for n in stacked}
+    for info in data["files"].values():
+        for entry in info.get("entries", []):
+            name, start, end = entry
+            if name in per:
+                first = start // per[name] // count * count
+                entry[:] = [f"{name}.experts_{first}_{first + count - 1}", start - first * per[name],
+                            end - first * per[name]]
+    for name in stacked:
+        shape = params.pop(name)["shape"]
+        for first in range(0, shape[0], count):
+            params[f"{name}.experts_{first}_{first + count - 1}"] = {
+                "shape": [count, *shape[1:]], "dtype": "float32", "group": 0}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+@pytest.mark.parametrize("save_ep,load_ep,per_rank_names", [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_stacked_expert_checkpoint_reshards_over_ep_size(tmp_path, save_ep, load_ep, per_rank_names):
+    """per_rank_names: a checkpoint as zeroengine wrote stacked experts before (one name per rank's stack)
+    loads too, at another ep_size."""
+    for straight, resumed in run_distributed(_stacked_resume, 2, str(tmp_path / "run"), save_ep, load_ep,
+                                             per_rank_names):
         assert straight["moe.local_experts.w1"].shape[0] == EXPERTS // load_ep
         for name, value in straight.items():
             torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")

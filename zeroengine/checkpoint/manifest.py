@@ -80,9 +80,11 @@ class Manifest:
             raise CheckpointError(f"{path} has format version {data['version']}; this zeroengine reads up to "
                                   f"{VERSION}: upgrade zeroengine")
         manifest = cls(tag_dir, data)
+        moved = _merge_per_rank_stacks(data["params"])
         for file, info in data["files"].items():
             for i, (name, start, end) in enumerate(info.get("entries", [])):
-                manifest._entries.setdefault(name, []).append(Entry(start, end, file, i))
+                name, offset = moved.get(name, (name, 0))
+                manifest._entries.setdefault(name, []).append(Entry(start + offset, end + offset, file, i))
         for entries in manifest._entries.values():
             entries.sort(key=lambda e: e.start)
         return manifest
@@ -117,6 +119,33 @@ class Manifest:
             raise CheckpointError(f"checkpoint {self.tag_dir} lacks elements [{covered}, {end}) of parameter "
                                   f"{name!r}: a shard file is missing from its manifest")
         return found
+
+
+# Stacked MoE experts as checkpoints before global stacked names stored them: one name per rank's stack.
+_PER_RANK_STACK = re.compile(r"^(?P<name>.+)\.experts_(?P<first>\d+)_(?P<last>\d+)$")
+
+
+def _merge_per_rank_stacks(params: dict) -> dict[str, tuple[str, int]]:
+    """Read ``<name>.experts_<a>_<b>`` (experts a..b of a stacked parameter, one entry per rank, as
+    zeroengine wrote them before) as elements ``a * per_expert ..`` of one ``<name>`` shaped
+    ``[num_experts, ...]``, today's layout, so such checkpoints load at any ep_size too. Rewrites
+    ``params``; returns {old name: (new name, element offset)} for the entries."""
+    stacks: dict[str, list[tuple[str, int, int]]] = {}
+    for old in params:
+        match = _PER_RANK_STACK.match(old)
+        if match and match["name"] not in params:
+            stacks.setdefault(match["name"], []).append((old, int(match["first"]), int(match["last"])))
+    moved = {}
+    for name, parts in stacks.items():
+        first_info = params[parts[0][0]]
+        per_expert = 1
+        for dim in first_info["shape"][1:]:
+            per_expert *= dim
+        params[name] = {**first_info, "shape": [max(last for _, _, last in parts) + 1, *first_info["shape"][1:]]}
+        for old, first, _ in parts:
+            moved[old] = (name, first * per_expert)
+            del params[old]
+    return moved
 
 
 def read_latest(save_dir: str) -> str | None:
