@@ -15,6 +15,7 @@ never by rank, which is what lets any world size and ZeRO stage read them.
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -138,9 +139,7 @@ def _merge_per_rank_stacks(params: dict) -> dict[str, tuple[str, int]]:
     moved = {}
     for name, parts in stacks.items():
         first_info = params[parts[0][0]]
-        per_expert = 1
-        for dim in first_info["shape"][1:]:
-            per_expert *= dim
+        per_expert = math.prod(first_info["shape"][1:])
         params[name] = {**first_info, "shape": [max(last for _, _, last in parts) + 1, *first_info["shape"][1:]]}
         for old, first, _ in parts:
             moved[old] = (name, first * per_expert)

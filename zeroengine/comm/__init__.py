@@ -29,8 +29,8 @@ from .handshake import HandshakeTimeout, handshakes
 from .sequence_check import CollectiveMismatchError
 
 __all__ = [
-    "all_gather", "all_reduce", "control_all_gather", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
-    "collective_context", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
+    "all_gather", "all_reduce", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
+    "collective_context", "control_all_gather", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
     "device_for_backend", "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in",
     "get_world_size", "handshakes", "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp",
     "ring_wire_bytes", "sequence_check_active", "sequence_check_requested", "shutdown"

@@ -116,11 +116,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
         scratch.give_back(received)
 
     work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
-    handle = _AfterWait(work, finish)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return _then(work, finish, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -132,7 +128,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     copies = scratch.take(world * input.numel(), input.dtype, input.device)
     copies.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
     work = dist.all_to_all_single(output, copies, group=group, async_op=async_op)
-    handle = _AfterWait(work, lambda: scratch.give_back(copies))
+    return _then(work, lambda: scratch.give_back(copies), async_op)
+
+
+def _then(work, after, async_op: bool):
+    """``after()`` once ``work`` completes: a handle whose wait() runs it (async), or run now (None)."""
+    handle = _AfterWait(work, after)
     if async_op:
         return handle
     handle.wait()

@@ -59,26 +59,28 @@ class LocalDispatch:
 
     def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts, impl: str = "auto") -> torch.Tensor:
         if runs_per_module(experts):  # one input and one output tensor per expert: nothing concatenated
-            chunks = permute_tokens_split(x, plan.index, plan.rows, plan.counts, impl=impl, checked=plan.checked)
-            ys = run_expert_modules(experts, chunks, getattr(experts, "serial_below", SERIAL_BELOW))
-            return unpermute_combine_segments(ys, plan.rows, plan.weights, covers_all=True, impl=impl,
-                                              checked=plan.checked)
-        permuted = permute_tokens(x, plan.index, plan.rows, impl=impl)
-        y = run_experts(experts, permuted, plan.counts)
-        return unpermute_combine(y, plan.rows, plan.weights, covers_all=True, impl=impl)
+            rows_in = permute_tokens_split(x, plan.index, plan.rows, plan.counts, impl=impl, checked=plan.checked)
+        else:
+            rows_in = permute_tokens(x, plan.index, plan.rows, impl=impl)
+        return _run_and_combine(experts, rows_in, plan.rows, plan.weights, plan.counts, impl, plan.checked)
 
     def route_and_run(self, gate: TopKGate, x: torch.Tensor, experts, impl: str = "auto"):
         """Gate and dispatch with routing and gather as one node (see :mod:`zeroengine.moe.fused_route`;
         only where ``fused_route.applies``): returns ``(output, l_aux, exp_counts)``."""
-        split = runs_per_module(experts)
-        rows_in, weights, l_aux, exp_counts, kept_counts, rows = route_gather(gate, x, split, impl)
-        if split:
-            ys = run_expert_modules(experts, rows_in, getattr(experts, "serial_below", SERIAL_BELOW))
-            out = unpermute_combine_segments(ys, rows, weights, covers_all=True, impl=impl, checked=True)
-        else:
-            y = run_experts(experts, rows_in, kept_counts.tolist())
-            out = unpermute_combine(y, rows, weights, covers_all=True, impl=impl)
+        rows_in, weights, l_aux, exp_counts, kept_counts, rows = route_gather(gate, x, runs_per_module(experts),
+                                                                             impl)
+        out = _run_and_combine(experts, rows_in, rows, weights, kept_counts.tolist(), impl, checked=True)
         return out, l_aux, exp_counts
+
+
+def _run_and_combine(experts, rows_in, rows, weights, counts: list[int], impl: str, checked: bool) -> torch.Tensor:
+    """The experts on their rows (one tensor per expert, or all in one with ``counts``), then the weighted
+    combine back into token order."""
+    if isinstance(rows_in, (list, tuple)):
+        ys = run_expert_modules(experts, rows_in, getattr(experts, "serial_below", SERIAL_BELOW))
+        return unpermute_combine_segments(ys, rows, weights, covers_all=True, impl=impl, checked=checked)
+    y = run_experts(experts, rows_in, counts)
+    return unpermute_combine(y, rows, weights, covers_all=True, impl=impl)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -183,8 +183,7 @@ class TopKGate(nn.Module):
         logits = F.linear(x, self.wg.weight.float())
         select = logits
         if self.training and self.noisy_gate_policy == "RSample":
-            gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0 - 1e-7)))
-            select = logits + gumbel
+            select = logits + _gumbel_like(logits)
         if logits.device.type == "cpu":  # everything below in one C++ pass where it applies
             from .fused_gate import route_fused  # (fused_gate imports this module)
 
@@ -220,6 +219,10 @@ def _sample_after_first(select: torch.Tensor, logits: torch.Tensor, k: int) -> t
     """First choice: the top of ``select``; the other k-1: drawn without replacement from the softmax of
     ``logits`` over the remaining experts (Gumbel-top-k)."""
     first = select.argmax(dim=-1, keepdim=True)
-    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0 - 1e-7)))
-    rest = (logits + gumbel).scatter(1, first, float("-inf"))
+    rest = (logits + _gumbel_like(logits)).scatter(1, first, float("-inf"))
     return torch.cat([first, torch.topk(rest, k - 1, dim=-1).indices], dim=1)
+
+
+def _gumbel_like(logits: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise shaped like ``logits`` (the uniform draw kept off 0 and 1)."""
+    return -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0 - 1e-7)))

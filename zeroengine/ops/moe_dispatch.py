@@ -28,8 +28,8 @@ import torch
 from zeroengine.ops.builder import load_kernel
 from zeroengine.ops.op_builders import MoEDispatchBuilder, MoEDispatchCUDABuilder
 
-__all__ = ["backend", "cpu_kernel", "permute_tokens_split", "unpermute_combine_segments", "combine_rows_backward_reference", "combine_rows_reference", "gather_rows_reference",
-           "permute_tokens", "unpermute_combine"]
+__all__ = ["backend", "combine_rows_backward_reference", "combine_rows_reference", "cpu_kernel", "gather_rows_reference",
+           "permute_tokens", "permute_tokens_split", "unpermute_combine", "unpermute_combine_segments"]
 
 _IMPLS = ("auto", "kernel", "torch")
 _KERNEL_DTYPES = {"cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),

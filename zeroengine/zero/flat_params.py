@@ -84,16 +84,23 @@ class FlatParamBuffer(ParamBuffer):
         self.flat[slot.flat_start:slot.flat_end].copy_(flat_value)
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor):
+    """``dst.copy_(src)``, asynchronous from pinned memory to an accelerator; returns the CUDA event marking
+    when ``src`` has been read (the host buffer is written again soon), or None for a synchronous copy."""
+    async_copy = src.is_pinned() and dst.is_cuda
+    dst.copy_(src, non_blocking=async_copy)
+    if not async_copy:
+        return None
+    copied = torch.cuda.Event()
+    copied.record()
+    return copied
+
+
 def copy_to_device(values: torch.Tensor, like: torch.Tensor):
-    """``(copy, event)``: ``values`` copied to ``like``'s device and dtype; from pinned memory to an
-    accelerator the copy is asynchronous and ``event`` marks when it has read ``values`` (else None)."""
-    async_copy = values.is_pinned() and like.is_cuda
-    copy = values.to(device=like.device, dtype=like.dtype, copy=True, non_blocking=async_copy)
-    copied = None
-    if async_copy:  # the host buffer is written again soon: know when the copy has read it
-        copied = torch.cuda.Event()
-        copied.record()
-    return copy, copied
+    """``(copy, event)``: ``values`` copied into a new tensor on ``like``'s device, in its dtype (see
+    :func:`copy_into`)."""
+    copy = torch.empty(values.shape, dtype=like.dtype, device=like.device)
+    return copy, copy_into(copy, values)
 
 
 @dataclass

@@ -242,9 +242,9 @@ class Init:
     def __init__(self, config=None, enabled: bool = True, data_parallel_group=None, config_dict_or_path=None,
                  remote_device: str | None = None, pin_memory: bool = False):
         # config_dict_or_path: DeepSpeed's name for ``config``
-        config = config if config is not None else config_dict_or_path
-        self.enabled = enabled and _stage_of(config) in (None, 3)
-        self.remote_device = _remote_device(remote_device, config if self.enabled else None)
+        stage, offloads_params = _zero_settings(config if config is not None else config_dict_or_path)
+        self.enabled = enabled and stage in (None, 3)
+        self.remote_device = _remote_device(remote_device, self.enabled and offloads_params)
         self.pin_memory = bool(pin_memory)
         self.group = data_parallel_group
         self.state: _InitState | None = None
@@ -289,13 +289,11 @@ class Init:
         return None
 
 
-def _remote_device(remote_device, config) -> torch.device | None:
+def _remote_device(remote_device, offloads_params: bool) -> torch.device | None:
     """DeepSpeed's ``remote_device``: "cpu" keeps the slices in CPU memory; None or "none" leaves them where
     the parameter is built, unless the config offloads parameters (then CPU, as DeepSpeed does)."""
     if remote_device in (None, "none"):
-        if _offloads_params(config):
-            return torch.device("cpu")
-        return None
+        return torch.device("cpu") if offloads_params else None
     if remote_device == "nvme":
         raise ValueError("zero.Init(remote_device='nvme'): NVMe offload (ZeRO-Infinity) is not implemented by "
                          "zeroengine; use 'cpu' or None")
@@ -305,31 +303,20 @@ def _remote_device(remote_device, config) -> torch.device | None:
     return torch.device("cpu")
 
 
-def _offloads_params(config) -> bool:
+def _zero_settings(config) -> tuple[int | None, bool]:
+    """(ZeRO stage, whether parameters are offloaded) of a config dict, parsed config or path (read once);
+    (None, False) without a config."""
     if config is None:
-        return False
+        return None, False
     if isinstance(config, dict):
-        block = (config.get("zero_optimization") or {}).get("offload_param") or {}
-        return block.get("device") == "cpu"
+        zero = config.get("zero_optimization") or {}
+        return zero.get("stage", 0), (zero.get("offload_param") or {}).get("device") == "cpu"
     zero = getattr(config, "zero_optimization", None)
-    if zero is not None:
-        return zero.offload_param is not None
-    from zeroengine.config import load_config
+    if zero is None:
+        from zeroengine.config import load_config
 
-    return load_config(config, world_size=comm.get_world_size()).zero_optimization.offload_param is not None
-
-
-def _stage_of(config) -> int | None:
-    if config is None:
-        return None
-    if isinstance(config, dict):
-        return (config.get("zero_optimization") or {}).get("stage", 0)
-    stage = getattr(getattr(config, "zero_optimization", None), "stage", None)
-    if stage is not None:
-        return stage
-    from zeroengine.config import load_config
-
-    return load_config(config, world_size=comm.get_world_size()).zero_optimization.stage
+        zero = load_config(config, world_size=comm.get_world_size()).zero_optimization
+    return zero.stage, zero.offload_param is not None
 
 
 def is_init_partitioned(p: torch.Tensor) -> bool:

@@ -54,7 +54,7 @@ import torch
 from zeroengine import comm
 
 from . import host_memory
-from .flat_params import ParamBuffer, gather_chunk
+from .flat_params import ParamBuffer, copy_into, gather_chunk
 from .layout import Bucket, FlatLayout
 from .param_guard import full_shape, mark_gathered, mark_partitioned
 
@@ -255,15 +255,9 @@ class PartitionedParamBuffer(ParamBuffer):
     def write_chunk(self, bucket: Bucket, values: torch.Tensor):
         """Take one bucket's updated values into this rank's shard now (an offloaded step sends each bucket
         as it is done); returns a callable that waits until ``values`` has been read."""
-        view = self.chunk_view(bucket, self.rank)
         with torch.no_grad():
-            if values.is_pinned() and view.is_cuda:
-                view.copy_(values, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-                return copied.synchronize
-            view.copy_(values)
-        return None
+            copied = copy_into(self.chunk_view(bucket, self.rank), values)
+        return None if copied is None else copied.synchronize
 
     def after_step(self, chunks: list[torch.Tensor | None]) -> None:
         """Take the optimizer's updated chunks (None: already written, see :meth:`write_chunk`); re-gather
