@@ -93,6 +93,36 @@ def test_16bit_under_init_is_bitwise_the_ordinary_build(remote_device):
             assert torch.equal(sp[name], si[name]), name
 
 
+def _gathers_while_initialising(rank, world):
+    """all-gather calls: building the GPT (whose init runs torch.nn.init after construction), then
+    torch.nn.init on a parameter that is no longer the active one, then an op that reads its values."""
+    from zeroengine import comm
+
+    def gathers():
+        return comm.counters.snapshot().get("all_gather", {}).get("calls", 0)
+
+    comm.counters.reset()
+    _init_gpt()
+    counts = [gathers()]
+    with Init():
+        first, second = nn.Linear(64, 64), nn.Linear(64, 64)  # building `second` cut `first` to its slice
+        nn.init.normal_(first.weight, std=0.02)  # torch.nn.init passes the tensor by keyword
+        nn.init.kaiming_uniform_(second.weight, a=1.0)
+        nn.init.constant_(first.bias, 0.5)
+        counts.append(gathers())
+        with torch.no_grad():
+            second.weight.mul_(2.0)  # reads the values: the one gather
+        counts.append(gathers())
+    return counts
+
+
+def test_torch_nn_init_overwrites_without_gathering_the_old_values():
+    # Each init function overwrites the whole tensor, so a parameter's old values are never needed; before,
+    # every call after construction all-gathered them (the GPT's own init: one gather per weight).
+    for counts in run_distributed(_gathers_while_initialising, 2):
+        assert counts == [0, 0, 1], counts
+
+
 def _edit_before_initialize(rank, world):
     model, _ = _init_gpt()
     with GatheredParameters([model.ln_f.weight], modifier_rank=0):
@@ -160,8 +190,9 @@ def test_building_under_init_peaks_at_about_one_over_n_of_the_parameters():
     for growth, counted in results:
         # Init's own count: slices (full / N) plus the one layer being initialised
         assert counted <= full / world + layer + 4096, counted
-        # and the process really grew by about that much, not by the model
-        assert growth <= full / world + 2 * layer + 4 * 2**20, (growth / 2**20, full / 2**20)
+        # and the process really grew by about that much, not by the model (measured: 0.3-0.4 MiB over the
+        # count; a gather of old values each torch.nn.init call made it 4-8 MiB over, see the test above)
+        assert growth <= full / world + layer + 2 * 2**20, (growth / 2**20, full / 2**20)
 
 
 def _wrong_stage(rank, world):

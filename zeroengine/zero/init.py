@@ -205,7 +205,8 @@ class _InitMode(TorchFunctionMode):
         if not targets:
             return func(*args, **kwargs)
         name = _name(func)
-        first = args[0] if args else None
+        # torch.nn.init's functions hand their tensor over by keyword (``tensor=``), everything else by position
+        first = args[0] if args else kwargs.get("tensor")
         if first is targets[0]:
             answer = _FULL_METADATA.get(name)
             if answer is not None:
