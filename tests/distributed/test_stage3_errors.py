@@ -37,6 +37,8 @@ def _touch_outside(rank, world):
         "matmul": _raises(lambda: x @ head.t()),
         "data": _raises(lambda: head.data.fill_(0)),
         "state_dict": _raises(lambda: engine.module.state_dict()),
+        "keyword": _raises(lambda: torch.add(torch.zeros(64, 32), other=head)),  # passed by keyword
+        "nn.init": _raises(lambda: torch.nn.init.normal_(head, std=0.02)),  # nn.init passes tensor=head
     }
     shape_ok = head.shape == (64, 32) and head.dim() == 2 and head.size(0) == 64
     counted = sum(p.numel() for p in engine.module.parameters())
@@ -47,7 +49,7 @@ def _touch_outside(rank, world):
 
 def test_a_partitioned_parameter_used_outside_the_engine_raises_a_clear_error():
     for errors, shape_ok, counted, inside in run_distributed(_touch_outside, 2):
-        for op in ("matmul", "data", "state_dict"):
+        for op in ("matmul", "data", "state_dict", "keyword", "nn.init"):
             msg = errors[op]
             assert "'wte.weight'" in msg and "(64, 32)" in msg, (op, msg)
             assert "GatheredParameters" in msg and "safe_get_full_fp32_param" in msg, (op, msg)

@@ -119,7 +119,11 @@ class PartitionedParameter(torch.nn.Parameter):
 
 
 def _first_partitioned(args, kwargs):
+    """The first partitioned parameter an op was given: by keyword (``torch.add(x, other=p)``), or inside
+    a list or tuple (``torch.cat([x, p])``); one given by position is found by the caller."""
     for value in (*args, *kwargs.values()):
+        if isinstance(value, PartitionedParameter):
+            return value
         if isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, PartitionedParameter):
