@@ -4,10 +4,10 @@ Every multi-process test in the project goes through :func:`run_distributed`.
 Workers are forked from a forkserver that has already imported torch, so a
 4-rank world starts in well under a second, and the server itself never ran
 an OpenMP region (forking a process that has can deadlock its children). The
-server also imports ``torch._dynamo``: every ``torch.optim.Optimizer`` imports it
-on first construction, ~3.7 s of CPU per process on a 2-core machine, which each
-rank would otherwise pay again (it starts no threads), and the engine's own modules
-(~0.6 s).
+server also imports what every rank would otherwise import again: ``torch._dynamo``
+(every ``torch.optim.Optimizer`` imports it on first construction, ~3.7 s of CPU
+per process on a 2-core machine) and the engine's own modules (~0.6 s). Neither
+starts a thread.
 
 A failure on any rank fails the call with that rank's traceback; a rank that
 dies without reporting (a segfault, os._exit) is named with its exit code;

@@ -45,7 +45,8 @@ from torch.overrides import TorchFunctionMode
 
 from zeroengine import comm
 
-from .param_guard import _FULL_METADATA, _PASS_THROUGH, _name, info_of, mark_gathered, mark_partitioned
+from .param_guard import (_FULL_METADATA, _PASS_THROUGH, _name, info_of, mark_gathered, mark_partitioned,
+                          op_arguments)
 
 # In-place ops that write every element without reading any: no gather needed to run them.
 _OVERWRITE = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "exponential_",
@@ -186,12 +187,8 @@ def _return_free_heap() -> None:
 
 
 def _partitioned_args(args, kwargs):
-    found = []
-    for value in (*args, *kwargs.values()):
-        for item in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(item, torch.nn.Parameter) and getattr(info_of(item), "init_shard", None) is not None:
-                found.append(item)
-    return found
+    return [a for a in op_arguments(args, kwargs)
+            if isinstance(a, torch.nn.Parameter) and getattr(info_of(a), "init_shard", None) is not None]
 
 
 class _InitMode(TorchFunctionMode):

@@ -118,17 +118,15 @@ class PartitionedParameter(torch.nn.Parameter):
         return describe(self)
 
 
-def _first_partitioned(args, kwargs):
-    """The first partitioned parameter an op was given: by keyword (``torch.add(x, other=p)``), or inside
-    a list or tuple (``torch.cat([x, p])``); one given by position is found by the caller."""
+def op_arguments(args, kwargs):
+    """Every argument an op was given, by position or keyword (``torch.add(x, other=p)``), with the items
+    of list and tuple arguments (``torch.cat([x, p])``) in place of the sequence."""
     for value in (*args, *kwargs.values()):
-        if isinstance(value, PartitionedParameter):
-            return value
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, PartitionedParameter):
-                    return item
-    return None
+        yield from (value if isinstance(value, (list, tuple)) else (value,))
+
+
+def _first_partitioned(args, kwargs):
+    return next((a for a in op_arguments(args, kwargs) if isinstance(a, PartitionedParameter)), None)
 
 
 def describe(p) -> str:
