@@ -23,6 +23,7 @@ the GPU: partial offload, offload_optimizer.ratio).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import socket
@@ -93,6 +94,29 @@ def throughput_runs(models: list[str], micro: int) -> list[dict]:
     return runs
 
 
+def run_label(spec: dict) -> str:
+    """``name/s<stage>/<dtype>[/offload[@<ratio>]][/params]``, e.g. ``1.3b/s3/bf16/offload@0.5``: what ``--only``
+    matches against."""
+    label = f"{spec['name']}/s{spec['stage']}/{spec['dtype']}"
+    if spec.get("offload_optimizer"):
+        ratio = spec.get("ratio", 1.0)
+        label += "/offload" + ("" if ratio == 1.0 else f"@{ratio}")
+    if spec.get("offload_param"):
+        label += "/params"
+    return label
+
+
+def select(runs: list[dict], only: str) -> list[dict]:
+    """The runs whose label matches one of the comma-separated shell patterns in ``only`` (all when empty)."""
+    patterns = [p for p in only.split(",") if p]
+    if not patterns:
+        return runs
+    chosen = [r for r in runs if any(fnmatch.fnmatchcase(run_label(r), p) for p in patterns)]
+    if not chosen:
+        raise SystemExit(f"bench_gpu: --only {only!r} matches none of: " + ", ".join(run_label(r) for r in runs))
+    return chosen
+
+
 def largest_runs(layers: dict[bool, list[int]], offload_ratio="auto") -> list[dict]:
     runs = []
     for offload in (False, True):
@@ -119,6 +143,9 @@ def main() -> int:
                         help="--largest: depths tried with offload")
     parser.add_argument("--offload_ratio", default="auto",
                         help="--largest: offload_optimizer.ratio of the offloaded runs (a number, or auto)")
+    parser.add_argument("--only", default="", help="comma list of shell patterns over run labels "
+                        "(name/s<stage>/<dtype>[/offload[ratio]][/params], e.g. '1.3b/s0/*,*/s3/bf16/offload'); "
+                        "default: every run")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
     args = parser.parse_args()
@@ -138,6 +165,7 @@ def main() -> int:
                              True: [int(n) for n in args.offload_layers.split(",")]}, ratio)
     else:
         runs = throughput_runs(["tiny"] if args.quick else args.models.split(","), 2 if args.quick else args.micro)
+    runs = select(runs, args.only)
     results, failed_at = [], {}
     for spec in runs:
         spec.update(warmup=args.warmup, steps=args.steps)
@@ -176,9 +204,7 @@ def _write(path: str, report: dict) -> None:
 
 
 def _print_row(r: dict) -> None:
-    offload = f" +offload {r.get('ratio_used', r.get('ratio', 1.0))}" if r.get("offload_optimizer") else ""
-    offload += " +params" if r.get("offload_param") else ""
-    what = f"{r['name']:>10} s{r['stage']} {r['dtype']}{offload:15}"
+    what = f"{run_label(r):>28}" + (f" (ratio {r['ratio_used']})" if "ratio_used" in r else "")
     if "error" in r:
         print(f"{what} | {r['error'][:150]}", flush=True)
         return

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Everything the open GPU work needs, in phases that each fit one 10-minute command on a lent
+# GPU machine (no network there; torch 2.11 preinstalled). Run from the repository root:
+#
+#     bash benchmarks/gpu_session.sh PHASE        # PHASE: tests | kernels | throughput | largest | smoke
+#
+# Results (JSON, logs, junit) go to $OUT when it is set, else benchmarks/results/gpu_session/.
+# Before the first call, on a machine with network: `bash scripts/gpu_wheels.sh` puts the wheels
+# the GPU image lacks (pydantic, hjson) in .gpu_wheels/ (git-ignored); carry that folder along.
+# Each phase installs them and the package (offline, seconds) because a machine starts bare.
+#
+# Phases, in the order to run them (a session has 30 minutes of device time in all; times estimated):
+#   tests       GPU tests and the CUDA kernel tests (JIT builds the CUDA ops first)      ~5 min
+#   kernels     FusedAdam vs torch's fused AdamW; one MoE layer at FastMoE's shape, fp32 and bf16   ~4 min
+#   throughput  the 1.3B GPT at stages 0-3 (bf16), stage 2 fp16, stage 3 with optimizer offload    ~7 min
+#   largest     3.43B (24 layers at width 4096) without offload, 10.7B (52 layers) with offload    ~9 min
+#   smoke       the tiny model through bench_gpu (checks the setup in ~1 min)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke}
+RESULTS=${OUT:-benchmarks/results/gpu_session}
+mkdir -p "$RESULTS"
+PY=${PYTHON:-python3}
+LIMIT=${PHASE_LIMIT_S:-560}  # stop a phase before the device's 600 s so what it wrote still comes back
+
+setup() {
+  if ! "$PY" -c "import pydantic, hjson" >/dev/null 2>&1; then
+    if [ -d .gpu_wheels ]; then
+      "$PY" -m pip install --quiet --no-index --find-links .gpu_wheels "pydantic>=2,<3" hjson
+    else
+      echo "gpu_session: pydantic/hjson missing and no .gpu_wheels/ (run scripts/gpu_wheels.sh and carry it)" >&2
+      exit 2
+    fi
+  fi
+  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
+  "$PY" -c "import torch, zeroengine; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+}
+
+left() {  # seconds left of the phase's budget
+  echo $((LIMIT - SECONDS))
+}
+
+setup
+case "$PHASE" in
+  tests)
+    timeout "$(left)" "$PY" -m pytest -q -rs tests/gpu tests/unit/test_fused_adam.py tests/unit/test_moe_ops.py \
+      tests/unit/test_op_builder.py tests/unit/test_activation_checkpointing_gpu.py tests/unit/test_cpu_adam.py --junitxml="$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
+    ;;
+  kernels)
+    timeout 150 "$PY" benchmarks/bench_adam.py --device cuda --out "$RESULTS/adam_cuda.json" 2>&1 | tail -12
+    for dtype in fp32 bf16; do
+      timeout $(( $(left) / 2 )) "$PY" benchmarks/bench_moe.py --device cuda --dtype "$dtype" --tokens 4096 \
+        --hidden 1024 --ffn 4096 --experts 64 --k 2 --a2a-worlds "" --out "$RESULTS/moe_cuda_$dtype.json" 2>&1 | tail -16
+    done
+    ;;
+  throughput)
+    timeout "$(left)" "$PY" benchmarks/bench_gpu.py --models 1.3b --timeout 150 \
+      --only '1.3b/s0/bf16,1.3b/s1/bf16,1.3b/s2/bf16,1.3b/s3/bf16,1.3b/s2/fp16,1.3b/s3/bf16/offload' \
+      --out "$RESULTS/gpu_throughput.json" 2>&1 | tail -12
+    ;;
+  largest)
+    timeout "$(left)" "$PY" benchmarks/bench_gpu.py --largest --layers 24 --offload_layers 52 --timeout 420 \
+      --out "$RESULTS/gpu_largest.json" 2>&1 | tail -8
+    ;;
+  smoke)
+    timeout "$(left)" "$PY" benchmarks/bench_gpu.py --quick --out "$RESULTS/gpu_quick.json" 2>&1 | tail -14
+    ;;
+  *)
+    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke)" >&2
+    exit 2
+    ;;
+esac
+status=${PIPESTATUS[0]}
+echo "gpu_session: phase $PHASE ended with status $status after ${SECONDS}s; results in $RESULTS"
+exit "$status"
