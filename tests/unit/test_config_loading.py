@@ -244,3 +244,16 @@ def test_public_names_are_reexported():
     import zeroengine.config as config
     assert zeroengine.ConfigError is config.ConfigError
     assert {"load_config", "ZeroEngineConfig", "ConfigError"} <= set(config.__all__)
+
+
+def test_auto_with_a_fixed_default_warns_and_names_the_key(caplog):
+    from zeroengine.config import build_config
+
+    with caplog.at_level("WARNING", logger="zeroengine.config.auto"):
+        cfg = build_config({"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto",
+                                                                        "warmup_num_steps": "auto"}}})
+    assert cfg.optimizer.params["lr"] == 1e-3
+    assert 'optimizer.params.lr "auto" -> 0.001' in caplog.text
+    assert 'scheduler.params.warmup_num_steps "auto" -> 0' in caplog.text
+    assert "warmup_max_lr" not in caplog.text  # derived from the optimizer's lr: nothing to warn about

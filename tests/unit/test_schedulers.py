@@ -131,6 +131,24 @@ def test_warmup_lr_defaults_and_tiny_warmup():
     assert_close([v[0] for v in trajectory(sched, 4)], [ref_warmup_lr(i, 0, 1, 1, "log") for i in range(-1, 4)])
 
 
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_zero_warmup_steps_means_no_warmup(kind):
+    # HF's "auto" resolves warmup_num_steps to 0; clamping it to 2 (older DeepSpeed) held the lr at
+    # warmup_min_lr for the first two optimizer steps
+    sched = WarmupLR(make_optimizer(), warmup_min_lr=0.0, warmup_max_lr=0.5, warmup_num_steps=0, warmup_type=kind)
+    assert [v[0] for v in trajectory(sched, 4)] == [0.5] * 5
+    sched = WarmupDecayLR(make_optimizer(), total_num_steps=4, warmup_max_lr=0.5, warmup_num_steps=0,
+                          warmup_type=kind)
+    assert_close([v[0] for v in trajectory(sched, 4)], [0.5, 0.5, 0.375, 0.25, 0.125])
+    sched = WarmupLR(make_optimizer(), warmup_max_lr=0.4, warmup_num_steps=1, warmup_type="linear")
+    assert sched.warmup_num_steps == 2  # 1 is clamped to 2, as DeepSpeed does
+    assert_close([v[0] for v in trajectory(sched, 3)], [0.0, 0.0, 0.2, 0.4])
+    sched = WarmupCosineLR(make_optimizer(lrs=(0.5, 0.5)), total_num_steps=4, warmup_num_steps=0,
+                           cos_min_ratio=0.0, warmup_type=kind)
+    lrs = [v[0] for v in trajectory(sched, 4)]
+    assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)) / 2)
+
+
 def test_warmup_lr_max_none_uses_group_lrs():
     opt = make_optimizer(lrs=(0.2, 0.02))
     sched = WarmupLR(opt, warmup_max_lr=None, warmup_num_steps=4, warmup_type="linear")
@@ -204,14 +222,20 @@ def test_one_cycle_lr_and_adam_betas():
     assert lrs[1 + 9][0] == pytest.approx(0.01)
 
 
-def test_one_cycle_sgd_momentum_and_no_decay():
+def test_one_cycle_leaves_sgd_momentum_alone_as_deepspeed_does(caplog):
+    # DeepSpeed cycles only Adam's beta1; cycling SGD's momentum would turn it on for a plain SGD
     c = dict(ONE_CYCLE, second=6, decay_step=0, lr_rate=0.0, mom_rate=0.0)
-    opt = make_optimizer("sgd")
-    sched = one_cycle(opt, c)
-    moms = trajectory(sched, key="momentum")
-    expected = [ref_one_cycle(i, c) for i in range(-1, STEPS)]
-    assert_close(moms, [[mom, mom] for _, mom in expected])
-    assert opt.param_groups[0]["lr"] == pytest.approx(c["min_lr"])
+    for momentum in (0.0, 0.5):
+        opt = make_optimizer("sgd")
+        for g in opt.param_groups:
+            g["momentum"] = momentum
+        with caplog.at_level("WARNING", logger="zeroengine.optim.one_cycle"):
+            sched = one_cycle(opt, c)
+        assert not sched.cycle_momentum and "cycle_momentum disabled" in caplog.text
+        moms = trajectory(sched, key="momentum")
+        assert moms == [[momentum, momentum]] * len(moms)
+        lrs = [[ref_one_cycle(i, c)[0]] * 2 for i in range(-1, STEPS)]
+        assert_close(trajectory(one_cycle(make_optimizer("sgd"), c)), lrs)  # the lr is still cycled
 
 
 def test_one_cycle_stairs():
@@ -319,15 +343,6 @@ def test_tensor_lr_stays_a_tensor():
 def test_bad_arguments_raise_value_error(build, message):
     with pytest.raises(ValueError, match=message):
         build(make_optimizer())
-
-
-def test_zero_warmup_steps_is_clamped_to_two_like_deepspeed():
-    # HF's "auto" resolves warmup_num_steps to 0; DeepSpeed clamps the length to 2.
-    sched = WarmupLR(make_optimizer(), warmup_max_lr=0.4, warmup_num_steps=0, warmup_type="linear")
-    assert sched.warmup_num_steps == 2
-    sched.step()
-    sched.step()
-    assert sched.get_lr()[0] == pytest.approx(0.2)
 
 
 def test_build_scheduler_names_and_errors():

@@ -2,17 +2,22 @@
 
 HuggingFace's DeepSpeed integration writes ``"auto"`` into template configs
 and fills the values from its Trainer arguments and the model. zeroengine has
-no Trainer, so each "auto" below resolves to the value HuggingFace would pick
-from a default Trainer, or from the model's ``hidden_size`` where HuggingFace
-uses it. "auto" anywhere else is an error (see ``translate.py``); the batch
-keys are resolved by the batch-size triangle in ``batch.py``.
+no Trainer, so each "auto" below resolves either from the model (its
+``hidden_size``) or from the rest of the config, or else to the fixed value in
+the table below, with a warning naming the key and the value (a fixed guess,
+e.g. an lr of 1e-3, is not what a Trainer would have chosen for this run).
+"auto" anywhere else is an error (see ``translate.py``); the batch keys are
+resolved by the batch-size triangle in ``batch.py``.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from .errors import ConfigError
 from .sections.zero import ZeroConfig
+
+logger = logging.getLogger(__name__)
 
 
 class AutoContext(NamedTuple):
@@ -24,6 +29,7 @@ class AutoRule(NamedTuple):
     path: str
     becomes: str                  # for the reference
     resolve: Callable[[AutoContext], Any]
+    derived: bool = False         # from the model or the rest of the config (no warning)
 
 
 def _zero_default(key: str) -> Any:
@@ -60,17 +66,18 @@ AUTO_RULES: List[AutoRule] = [
     # Must come after optimizer.params.lr, which it reads.
     AutoRule("scheduler.params.warmup_min_lr", "0", lambda ctx: 0.0),
     AutoRule("scheduler.params.warmup_max_lr", "optimizer.params.lr (1e-3 if not set; each param group's "
-             "own lr without an optimizer section)", _optimizer_lr),
-    AutoRule("scheduler.params.warmup_num_steps", "0", lambda ctx: 0),
+             "own lr without an optimizer section)", _optimizer_lr, derived=True),
+    AutoRule("scheduler.params.warmup_num_steps", "0 (no warmup)", lambda ctx: 0),
     AutoRule("scheduler.params.total_num_steps", "an error: it cannot be inferred; set it", _cannot_infer),
     AutoRule("fp16.enabled", "false", lambda ctx: False),
     AutoRule("bf16.enabled", "false", lambda ctx: False),
     AutoRule("zero_optimization.reduce_bucket_size", "hidden_size * hidden_size (default without "
-             "hidden_size)", _from_hidden("reduce_bucket_size", lambda h: h * h)),
+             "hidden_size)", _from_hidden("reduce_bucket_size", lambda h: h * h), derived=True),
     AutoRule("zero_optimization.stage3_prefetch_bucket_size", "int(0.9 * hidden_size * hidden_size) "
-             "(default without hidden_size)", _from_hidden("stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h))),
+             "(default without hidden_size)", _from_hidden("stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h)),
+             derived=True),
     AutoRule("zero_optimization.stage3_param_persistence_threshold", "10 * hidden_size (default without "
-             "hidden_size)", _from_hidden("stage3_param_persistence_threshold", lambda h: 10 * h)),
+             "hidden_size)", _from_hidden("stage3_param_persistence_threshold", lambda h: 10 * h), derived=True),
 ]
 
 
@@ -84,3 +91,6 @@ def resolve_auto(data: Dict[str, Any], hidden_size: Optional[int]) -> None:
             block = block.get(part) if isinstance(block, dict) else None
         if isinstance(block, dict) and isinstance(block.get(key), str) and block[key] == "auto":
             block[key] = rule.resolve(ctx)
+            if not rule.derived:
+                logger.warning('config: %s "auto" -> %r (a fixed default: zeroengine has no trainer to fill it '
+                               'in; set the value to choose it)', rule.path, block[key])

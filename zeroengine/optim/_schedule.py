@@ -17,7 +17,10 @@ and iteration ``0 <= i < N``::
     log:    log(i + 1) / log(N)
     linear: i / N
 
-and 1 once ``i >= N``.
+and 1 once ``i >= N``. ``warmup_num_steps = 0`` means no warmup (1 from the
+first step; what HuggingFace's ``"auto"`` asks for when the Trainer has no
+warmup). DeepSpeed 0.19.8 refuses 0, and older versions clamped it to 2,
+which holds the lr at ``warmup_min_lr`` for the first two steps.
 """
 from __future__ import annotations
 
@@ -84,18 +87,18 @@ class Warmup:
     """The warmup fraction documented in the module docstring."""
 
     def __init__(self, num_steps, warmup_type: str):
-        # 0 is allowed (HF's "auto" gives it): like DeepSpeed, the length is clamped to 2 below.
+        # 0 is no warmup (HF's "auto" gives it); 1 is clamped to 2, as DeepSpeed does.
         non_negative_int("warmup_num_steps", num_steps)
         if warmup_type not in WARMUP_TYPES:
             raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
-        self.num_steps = max(2, num_steps)
+        self.num_steps = max(2, num_steps) if num_steps else 0
         self.type = warmup_type
         # Multiplying by a precomputed inverse (not dividing) keeps the
         # floats bit-identical to DeepSpeed's.
-        self._inverse_log = 1.0 / math.log(self.num_steps)
+        self._inverse_log = 1.0 / math.log(self.num_steps) if self.num_steps else 0.0
 
     def covers(self, iteration: int) -> bool:
-        return iteration < self.num_steps
+        return 0 <= iteration < self.num_steps
 
     def fraction(self, iteration: int) -> float:
         if self.type == "log":
@@ -167,7 +170,4 @@ class Schedule:
         moms = self.get_mom()
         if moms is not None:
             for group, mom in zip(self._groups, moms):
-                if "betas" in group:
-                    group["betas"] = mom
-                else:
-                    group["momentum"] = mom
+                group["betas"] = mom

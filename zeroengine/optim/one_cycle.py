@@ -35,7 +35,10 @@ class OneCycle(Schedule):
 
     with no decay (lr = min_lr, mom = max_mom) when ``decay_step_size`` or the
     rate is 0. Momentum is Adam's ``betas[0]`` (beta2 is set to
-    ``ONECYCLE_BETA2``, as DeepSpeed does) or SGD's ``momentum``. Before the
+    ``ONECYCLE_BETA2``, as DeepSpeed does). As in DeepSpeed, an optimizer
+    without ``betas`` (SGD, RMSprop) keeps its own momentum, with a warning:
+    cycling SGD's ``momentum`` would switch momentum on for a plain SGD
+    (``momentum=0``) and give other numbers than DeepSpeed. Before the
     first step the lr is ``cycle_min_lr`` and the momentum ``cycle_min_mom``
     (DeepSpeed's construction values). ``cycle_min_lr`` / ``cycle_max_lr`` and
     the momentum bounds may be per-group lists.
@@ -78,9 +81,10 @@ class OneCycle(Schedule):
         return value
 
     def _supports_momentum(self) -> bool:
-        if all("betas" in g or "momentum" in g for g in self._groups):
+        if all("betas" in g for g in self._groups):
             return True
-        logger.warning("OneCycle: cycle_momentum disabled, %s has neither 'betas' nor 'momentum'",
+        logger.warning("OneCycle: cycle_momentum disabled, %s has no 'betas' (as in DeepSpeed, only Adam-style "
+                       "beta1 is cycled; the optimizer's own momentum is left as it is)",
                        type(self.optimizer).__name__)
         return False
 
@@ -131,4 +135,4 @@ class OneCycle(Schedule):
         else:
             factor = 1 + self.decay_mom_rate * self._decay_interval()
             moms = [hi * factor for hi in self.max_moms]
-        return [(m, ONECYCLE_BETA2) if "betas" in g else m for m, g in zip(moms, self._groups)]
+        return [(m, ONECYCLE_BETA2) for m in moms]

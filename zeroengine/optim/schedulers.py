@@ -22,7 +22,8 @@ class WarmupLR(Schedule):
     """Warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold.
 
     ``lr = min_lr + (max_lr - min_lr) * warmup_fraction(i)`` per group.
-    Before the first step (i = -1) the lr is ``warmup_min_lr``.
+    Before the first step (i = -1) the lr is ``warmup_min_lr`` (the peak when ``warmup_num_steps`` is 0:
+    no warmup).
     ``warmup_min_lr`` / ``warmup_max_lr`` may be per-group lists. The default
     ``warmup_max_lr=None`` warms up to each group's own lr (DeepSpeed >= 0.19;
     older releases defaulted to 0.001, which WarmupDecayLR still does).
@@ -43,7 +44,7 @@ class WarmupLR(Schedule):
         self._apply()
 
     def get_lr(self) -> List[float]:
-        if self.last_batch_iteration < 0:
+        if self.last_batch_iteration < 0 and self._warmup.num_steps:
             return list(self.min_lrs)
         gamma = self._gamma(self.last_batch_iteration)
         return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
@@ -72,7 +73,7 @@ class WarmupDecayLR(WarmupLR):
     def _gamma(self, iteration: int) -> float:
         if self._warmup.covers(iteration):
             return self._warmup.fraction(iteration)
-        remaining = float(self.total_num_steps - iteration)
+        remaining = float(self.total_num_steps - max(0, iteration))  # i = -1 only without warmup: the peak
         return max(0.0, remaining / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
 
 
@@ -86,7 +87,7 @@ class WarmupCosineLR(Schedule):
         after:          p = min(1, (i - N + 1) / max(1, total - N))
                         ratio = max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2)
 
-    Before the first step the lr is 0. ``p`` is clamped so the lr stays at the
+    Before the first step the lr is 0 (the peak when ``warmup_num_steps`` is 0: no warmup). ``p`` is clamped so the lr stays at the
     floor past ``total_num_steps`` (as current DeepSpeed does).
     """
 
@@ -109,7 +110,7 @@ class WarmupCosineLR(Schedule):
 
     def get_lr_ratio(self) -> float:
         i = self.last_batch_iteration
-        if i < 0:
+        if i < 0 and self._warmup.num_steps:
             return 0.0
         if self._warmup.covers(i):
             return self.warmup_min_ratio + self._warmup.fraction(i) * (1.0 - self.warmup_min_ratio)
@@ -118,8 +119,6 @@ class WarmupCosineLR(Schedule):
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def get_lr(self) -> List[float]:
-        if self.last_batch_iteration < 0:
-            return [0.0] * len(self.base_lrs)
         ratio = self.get_lr_ratio()
         return [base * ratio for base in self.base_lrs]
 
