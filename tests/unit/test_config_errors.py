@@ -117,6 +117,11 @@ MISTAKES = [
      "gradient_clipping", [">= 0"]),
     ("infinite loss scale", with_base(fp16={"enabled": True, "loss_scale": float("inf")}), 1,
      "fp16.loss_scale", ["finite"]),
+    ("dynamic loss scale starting under its floor", with_base(fp16={
+        "enabled": True, "initial_scale_power": 0, "min_loss_scale": 4}), 1,
+     "fp16.initial_scale_power", ["start at 2**initial_scale_power = 1", "min_loss_scale = 4"]),
+    ("loss scale power past float32", with_base(fp16={"enabled": True, "initial_scale_power": 200}), 1,
+     "fp16.initial_scale_power", ["<= 127"]),
     ("bad tag_validation", with_base(checkpoint={"tag_validation": "Strict"}), 1,
      "checkpoint.tag_validation", ["'Ignore', 'Warn' or 'Fail'"]),
     ("bad communication_data_type", with_base(communication_data_type="bfloat16"), 1,
@@ -208,6 +213,10 @@ def test_bad_world_or_hidden_size(kwargs):
     with pytest.raises(ConfigError) as info:
         load_config(BASE, **kwargs)
     assert info.value.key_path == next(iter(kwargs))
+
+
+def test_communication_data_type_in_any_case_as_deepspeed():
+    assert load_config(dict(BASE, communication_data_type="FP16")).communication_data_type == "fp16"
 
 
 def test_constructing_the_model_directly_also_raises_config_error():

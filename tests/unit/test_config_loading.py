@@ -155,7 +155,7 @@ def test_switched_off_features_are_accepted_in_every_spelling():
 
 
 @pytest.mark.parametrize("config", [
-    {"zero_force_ds_cpu_optimizer": False},
+    {"zero_force_ds_cpu_optimizer": "yes"},
     {"amp": {"enabled": True}},
     {"pipeline": {"stages": 2}},
     {"data_types": {"grad_accum_dtype": "fp32"}},
@@ -257,3 +257,11 @@ def test_auto_with_a_fixed_default_warns_and_names_the_key(caplog):
     assert 'optimizer.params.lr "auto" -> 0.001' in caplog.text
     assert 'scheduler.params.warmup_num_steps "auto" -> 0' in caplog.text
     assert "warmup_max_lr" not in caplog.text  # derived from the optimizer's lr: nothing to warn about
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_zero_force_ds_cpu_optimizer_loads_at_either_value(value):
+    # false is what DeepSpeed configs write to allow a client optimizer with offload, which zeroengine supports
+    cfg = load_config({"train_batch_size": 4, "zero_force_ds_cpu_optimizer": value,
+                       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.zero_stage == 2

@@ -65,7 +65,7 @@ class ZeroEngineConfig(ConfigModel):
     prescale_gradients: bool = Field(False, description="Divide gradients by the world size before the "
                                                         "reduction instead of after.")
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = Field(
-        None, description="Dtype of gradient reductions (null: the training dtype).")
+        None, description="Dtype of gradient reductions (any capitalisation; null: the training dtype).")
     log_level: Optional[Literal["debug", "info", "warning", "error", "critical"]] = Field(
         None, description="Level of the 'zeroengine' logger (any capitalisation); null leaves it as it is "
                           "(INFO unless the application set it).")
@@ -85,10 +85,10 @@ class ZeroEngineConfig(ConfigModel):
         except ValidationError as error:
             raise ConfigError.from_problems(problems_from(error, type(self))) from None
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "communication_data_type", mode="before")
     @classmethod
-    def _log_level_any_case(cls, value: Any) -> Any:
-        # DeepSpeed lower-cases the level name before looking it up.
+    def _any_case(cls, value: Any) -> Any:
+        # DeepSpeed lower-cases these names before looking them up ("FP16" is fp16).
         return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")

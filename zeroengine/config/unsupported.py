@@ -257,8 +257,9 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
                                                    "`enabled: false`, or no `quantized_initialization` / "
                                                    "`post_init_quant`", _weight_quantization_is_off),
                     "quantized weight initialization (zero.Init) and post-init quantization"),
-        Unsupported("zero_force_ds_cpu_optimizer", off_value(True), "requiring DeepSpeed's CPU optimizer "
-                    "with offload"),
+        Unsupported("zero_force_ds_cpu_optimizer", ANY_BOOL, "requiring DeepSpeed's CPU optimizer with "
+                    "offload (DeepSpeed refuses a client optimizer unless this is false; zeroengine steps a client "
+                    "optimizer on the offloaded fp32 masters at either value)"),
     ),
     "zero_optimization": (
         Unsupported("legacy_stage1", off_value(False), "the pre-0.4 stage-1 implementation"),

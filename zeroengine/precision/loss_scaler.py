@@ -7,8 +7,13 @@ skipped and the dynamic scaler backs off.
 
 Dynamic update rule (``DynamicLossScaler.update_scale``), once per optimizer step
 --------------------------------------------------------------------------------
-It mirrors DeepSpeed's ``DynamicLossScaler`` (the one ZeRO stages use) so a
-run's scale trajectory, and hence which steps are skipped, is identical::
+It mirrors DeepSpeed's ``DynamicLossScaler`` (the one its ZeRO stages 1-3 use) so a
+run's scale trajectory, and hence which steps are skipped, is identical at those
+stages. zeroengine uses the same rule at stage 0 too; DeepSpeed's stage 0
+(``FP16_Optimizer``) has its own rule that ignores ``hysteresis`` and
+``consecutive_hysteresis`` and stays at ``min_loss_scale`` where this one
+raises, so a stage 0 fp16 run with hysteresis > 1 skips the same steps but its
+scale drops later than DeepSpeed's::
 
     on overflow:
         if delayed_shift == 1 or cur_hysteresis == 1:

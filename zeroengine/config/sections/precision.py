@@ -6,9 +6,9 @@ behaves the same: ``loss_scale: 0`` means dynamic scaling starting at
 """
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from ..base import ConfigModel, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from ..base import ConfigModel, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, rule_error
 
 
 class FP16Config(ConfigModel):
@@ -19,7 +19,8 @@ class FP16Config(ConfigModel):
     auto_cast: bool = Field(False, description="Cast floating-point inputs of the model's forward to float16.")
     loss_scale: NonNegativeFloat = Field(0.0, description="Static loss scale; 0 selects dynamic loss scaling.")
     initial_scale_power: NonNegativeInt = Field(
-        16, description="Dynamic scaling starts at a loss scale of 2**initial_scale_power.")
+        16, le=127, description="Dynamic scaling starts at a loss scale of 2**initial_scale_power (at most 127: "
+                                "2**128 is not a float32).")
     loss_scale_window: PositiveInt = Field(
         1000, description="Steps without overflow after which the dynamic loss scale is doubled.")
     hysteresis: PositiveInt = Field(
@@ -29,6 +30,14 @@ class FP16Config(ConfigModel):
                            "so only consecutive overflows lower the scale.")
     min_loss_scale: PositiveFloat = Field(1.0, description="Floor for the dynamic loss scale (unused with a static "
                                                            "loss_scale).")
+
+    @model_validator(mode="after")
+    def _start_at_or_above_the_floor(self) -> "FP16Config":
+        if self.loss_scale == 0 and 2.0 ** self.initial_scale_power < self.min_loss_scale:
+            raise rule_error(f"the dynamic loss scale would start at 2**initial_scale_power = "
+                             f"{2.0 ** self.initial_scale_power:g}, below min_loss_scale = {self.min_loss_scale:g}",
+                             ("initial_scale_power",))
+        return self
 
 
 class BF16Config(ConfigModel):
