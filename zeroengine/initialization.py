@@ -48,10 +48,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        also="deepspeed_config", action=_StoreBoth, default=None,
                        help="path to the JSON/HJSON config file")
     parser.set_defaults(deepspeed=False, deepspeed_config=None)
-    # DeepSpeed scripts usually declare --local_rank themselves (DeepSpeed's helper does not add it).
+    # DeepSpeed scripts usually declare --local_rank themselves (DeepSpeed's helper does not add it), often
+    # with default -1, and rely on DeepSpeed's launcher passing --local_rank=N. zeroengine's launcher sets
+    # LOCAL_RANK instead (--pass_local_rank adds the argument), so it becomes the default: a script that
+    # reads args.local_rank gets its rank, not -1 (torch.cuda.set_device(-1) silently keeps GPU 0).
     if "--local_rank" not in parser._option_string_actions:
         group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                            help="set by launchers that pass it as an argument")
+    elif "LOCAL_RANK" in os.environ:
+        parser.set_defaults(local_rank=int(os.environ["LOCAL_RANK"]))
     return parser
 
 
@@ -89,8 +94,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """
     if model is None:
         raise ValueError("zeroengine.initialize: model is required")
+    from_args = _config_from_args(args)
+    if from_args is not None and (config is not None or config_params is not None):
+        raise ConfigError("<config>", f"two configs given: args names {from_args!r} (--zeroengine_config / "
+                          "--deepspeed_config) and initialize() got config=; pass only one")
     if config is None:
-        config = config_params if config_params is not None else _config_from_args(args)
+        config = config_params if config_params is not None else from_args
     if config is None:
         raise ConfigError("<config>", "no config given: pass config=<path or dict>, or --zeroengine_config on args")
     if dist_init_required is not False:
@@ -129,7 +138,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn=collate_fn,
-                                  rank=comm.get_rank(), world_size=comm.get_world_size())
+                                  rank=comm.get_rank(), world_size=comm.get_world_size(),
+                                  drop_last=cfg.dataloader_drop_last)
     return engine, zero_optimizer, loader, scheduler
 
 

@@ -209,6 +209,21 @@ def test_script_that_declares_local_rank_and_reads_args_deepspeed_config():
     assert (defaults.deepspeed, defaults.deepspeed_config) == (False, None)
 
 
+def test_script_declared_local_rank_defaults_to_the_launchers_local_rank(monkeypatch):
+    """zeroengine's launcher sets LOCAL_RANK rather than passing --local_rank=N (DeepSpeed's does), so a
+    script's own --local_rank with default -1 must still read its rank; an explicit argument wins."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = zeroengine.add_config_arguments(parser)
+    assert parser.parse_args([]).local_rank == 3
+    assert parser.parse_args(["--local_rank=1"]).local_rank == 1
+    monkeypatch.delenv("LOCAL_RANK")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    assert zeroengine.add_config_arguments(parser).parse_args([]).local_rank == -1  # no launcher: as declared
+
+
 def test_engine_answers_deepspeeds_accessors():
     batches = _batches(2)
     model = _model()
