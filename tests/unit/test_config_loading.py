@@ -162,6 +162,7 @@ def test_switched_off_features_are_accepted_in_every_spelling():
     {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
     {"checkpoint": {"parallel_write": {"pipeline_stage": True}}},
     {"dump_state": 1},
+    {"checkpoint": {"use_node_local_storage": True}},
 ])
 def test_switched_on_features_are_errors(config):
     with pytest.raises(ConfigError, match="DeepSpeed feature zeroengine does not implement"):

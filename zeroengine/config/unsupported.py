@@ -349,6 +349,10 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("parallel_write", EMPTY, "pipeline-stage parallel checkpoint writes"),
         Unsupported("writer", off_value(None), "DeepSpeed's fast checkpoint writer"),
         Unsupported("checkpoint_serialization", off_value(True), "legacy torch.save serialization switch"),
+        Unsupported("use_node_local_storage", off_value(False),
+                    "checkpoints on node-local (not shared) disks: zeroengine stores shards by parameter range, "
+                    "so loading (at any world size or stage) may read any rank's shard, and the shared files "
+                    "are written once; save to a filesystem every rank can read"),
     ),
 }
 

@@ -24,8 +24,6 @@ class CheckpointConfig(ConfigModel):
                             "(any capitalisation).")
     load_universal: bool = Field(False, description="Accepted for DeepSpeed compatibility: every zeroengine "
                                                     "checkpoint is already universal (any world, any stage).")
-    use_node_local_storage: bool = Field(False, description="Each node writes and reads its own copy of the "
-                                                            "shared files (for node-local, non-shared disks).")
 
     @field_validator("tag_validation", mode="before")
     @classmethod
