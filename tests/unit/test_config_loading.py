@@ -94,7 +94,7 @@ def test_deprecated_aliases_and_switched_off_deepspeed_features():
     assert zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory   # cpu_offload
     assert zero.offload_param.device == "cpu" and zero.offload_param.pin_memory           # cpu_offload_params
     assert zero.stage3_gather_16bit_weights_on_model_save                 # ..._fp16_weights_...
-    assert not zero.load_from_fp32_weights and not zero.ignore_unused_parameters and zero.elastic_checkpoint
+    assert zero.load_from_fp32_weights and zero.ignore_unused_parameters and zero.elastic_checkpoint
     assert cfg.zero_allow_untested_optimizer
     assert cfg.monitor.csv.enabled and cfg.monitor.csv.output_path == "csv_logs/"        # csv_monitor
     assert cfg.checkpoint.tag_validation == "Ignore"

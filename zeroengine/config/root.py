@@ -60,10 +60,11 @@ class ZeroEngineConfig(ConfigModel):
     zero_allow_untested_optimizer: bool = Field(
         False, description="Allow a client optimizer other than Adam/AdamW/SGD/CPUAdam with ZeRO stages 1-3.")
     gradient_predivide_factor: PositiveFloat = Field(
-        1.0, description="Divide gradients by this factor before the reduction and by world/factor after, "
-                         "to avoid fp16 overflow in large worlds.")
-    prescale_gradients: bool = Field(False, description="Divide gradients by the world size before the "
-                                                        "reduction instead of after.")
+        1.0, description="Accepted, no effect: zeroengine sums gradients and divides by the world size after "
+                         "the reduction (DeepSpeed's factor moves part of that division before it, which "
+                         "changes only rounding, and overflow of fp16 reductions over large worlds).")
+    prescale_gradients: bool = Field(False, description="Accepted at either value, no effect (as "
+                                                        "gradient_predivide_factor).")
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = Field(
         None, description="Dtype of gradient reductions (any capitalisation; null: the training dtype).")
     log_level: Optional[Literal["debug", "info", "warning", "error", "critical"]] = Field(

@@ -22,8 +22,9 @@ class ZeroConfig(ConfigModel):
 
     stage: Int = Field(0, description="0: plain data parallel; 1: partition optimizer states; "
                                       "2: also gradients; 3: also parameters.")
-    contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as they "
-                                                         "are produced, avoiding fragmentation.")
+    contiguous_gradients: bool = Field(True, description="Accepted at either value, no effect: stages 1-3 always "
+                                                         "copy gradients into contiguous bucket buffers as they "
+                                                         "are produced.")
     overlap_comm: Optional[bool] = Field(
         None, description="Overlap gradient reduction with the backward pass. Not set: true at stage 3, "
                           "false otherwise (as in DeepSpeed).")
@@ -31,24 +32,27 @@ class ZeroConfig(ConfigModel):
                                                    "all-reduce.")
     reduce_bucket_size: PositiveInt = Field(500_000_000, description="Elements reduced per gradient bucket. "
                                                                      "'auto': hidden_size squared.")
-    allgather_bucket_size: PositiveInt = Field(500_000_000, description="Elements all-gathered per bucket "
-                                                                        "when re-assembling updated parameters.")
+    allgather_bucket_size: PositiveInt = Field(500_000_000, description="Accepted, no effect: updated "
+                                                                        "parameters are all-gathered in the "
+                                                                        "reduce_bucket_size buckets.")
     allgather_partitions: bool = Field(True, description="All-gather updated partitions after the step; "
                                                          "only true is supported.")
     load_from_fp32_weights: bool = Field(True, description="On checkpoint load, rebuild 16-bit parameters from "
-                                                           "the saved fp32 master weights.")
+                                                           "the saved fp32 master weights; only true (the masters "
+                                                           "are never rebuilt from 16-bit values).")
     elastic_checkpoint: bool = Field(False, description="Accepted for DeepSpeed compatibility; zeroengine "
                                                         "checkpoints always load into any world size and stage.")
-    ignore_unused_parameters: bool = Field(True, description="Tolerate parameters that get no gradient "
-                                                             "in a step instead of raising.")
-    round_robin_gradients: bool = Field(False, description="Stages 1-2: spread gradient copies over ranks in "
-                                                           "round-robin order (a performance hint).")
+    ignore_unused_parameters: bool = Field(True, description="Tolerate parameters that get no gradient in a "
+                                                             "step (they get a zero gradient); only true.")
+    round_robin_gradients: bool = Field(False, description="Accepted at either value, no effect (a DeepSpeed "
+                                                           "performance hint for its gradient copies).")
     offload_optimizer: Optional[OffloadOptimizerConfig] = Field(
         None, description="Keep optimizer states on CPU and step there (stages 1-3).")
     offload_param: Optional[OffloadParamConfig] = Field(
         None, description="Keep parameter shards on CPU (stage 3 only).")
-    sub_group_size: PositiveInt = Field(1_000_000_000, description="Elements per optimizer-step sub-group, "
-                                                                   "bounding the step's temporary memory.")
+    sub_group_size: PositiveInt = Field(1_000_000_000, description="Accepted, no effect: zeroengine steps the "
+                                                                   "optimizer one reduce bucket at a time, which "
+                                                                   "already bounds the step's temporary memory.")
     stage3_prefetch_bucket_size: NonNegativeInt = Field(
         50_000_000, description=_STAGE3 + "Elements of parameters fetched ahead of use. "
                                           "'auto': 0.9 * hidden_size squared.")
@@ -69,6 +73,16 @@ class ZeroConfig(ConfigModel):
     def _known_stage(cls, value: int) -> int:
         if value not in (0, 1, 2, 3):
             raise ValueError(f"must be 0, 1, 2 or 3, got {value}")
+        return value
+
+    @field_validator("load_from_fp32_weights", "ignore_unused_parameters", mode="after")
+    @classmethod
+    def _only_true(cls, value: bool, info) -> bool:
+        if not value:
+            what = {"load_from_fp32_weights": "checkpoints always restore the saved fp32 master weights",
+                    "ignore_unused_parameters": "a parameter that gets no gradient in a step gets a zero "
+                                                "gradient, never an error"}[info.field_name]
+            raise ValueError(f"false is not supported: {what}; remove the key")
         return value
 
     @field_validator("allgather_partitions", mode="after")
