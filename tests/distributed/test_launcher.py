@@ -209,10 +209,23 @@ def expand(command, host):  # pdsh's %h / %% substitution
             i += 1
     return "".join(out)
 
-procs = [subprocess.Popen(["bash", "-c", expand(args[0], h)]) for h in hosts.split(",")]
+import time
+# like pdsh: each host's command in its own session, a failed host reported on stderr as it happens,
+# and pdsh goes on waiting for the others
+procs = {h: subprocess.Popen(["bash", "-c", expand(args[0], h)], start_new_session=True) for h in hosts.split(",")}
 with open(os.environ["FAKE_REMOTE_LOG"], "a") as f:
     f.write("pdsh " + hosts + "\\n")
-sys.exit(max(p.wait() for p in procs))
+codes, running = [], dict(procs)
+while running:
+    for h, p in list(running.items()):
+        if p.poll() is not None:
+            del running[h]
+            codes.append(p.returncode)
+            if p.returncode:
+                sys.stderr.write(f"pdsh@fake: {h}: ssh exited with exit code {p.returncode}\\n")
+                sys.stderr.flush()
+    time.sleep(0.05)
+sys.exit(max(codes))
 """
 
 
@@ -254,19 +267,41 @@ def test_remote_launch_layout(fake_remote, launcher):
     assert sorted(log.read_text().split("\n")[:-1]) == expected
 
 
-def test_remote_node_failure_stops_other_nodes(fake_remote):
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_remote_node_failure_stops_other_nodes(fake_remote, launcher):
     hostfile, env, log, out = fake_remote
-    result = run_launcher("--hostfile", hostfile, "--launcher", "ssh", "--grace_period", 2,
+    result = run_launcher("--hostfile", hostfile, "--launcher", launcher, "--grace_period", 2,
                           SCRIPTS / "sleep_worker.py", out, "--fail_rank", 2,
                           cwd=out.parent, env=env)
     assert_stopped_soon_after_failure(out)
     assert result.returncode == 3, result.stderr
     assert "zeroengine: rank 2 (pid" in result.stderr
-    assert "zeroengine: node 1 (localhost) (pid" in result.stderr
-    assert "stopping the other nodes" in result.stderr
+    if launcher == "ssh":
+        assert "zeroengine: node 1 (localhost) (pid" in result.stderr
+        assert "stopping the other nodes" in result.stderr
+    else:  # pdsh reports the node and waits on; its stop command (pkill by job id) stops node 0
+        assert "pdsh reported a failure (pdsh@fake: localhost: ssh exited with exit code 3)" in result.stderr
+        assert "stopping pdsh's remote processes" in result.stderr
     pids = recorded_pids(out)
     assert len(pids) == 3
     assert_all_gone(pids)
+
+
+def test_signal_under_pdsh_reaches_the_remote_ranks(fake_remote):
+    """pdsh's remote launchers are in sessions of their own (killing pdsh misses them) and watch no
+    stdin: the stop command (pkill by the job id, through a second pdsh) has to reach them."""
+    hostfile, env, log, out = fake_remote
+    proc = start_launcher("--hostfile", hostfile, "--launcher", "pdsh", "--grace_period", 2,
+                          SCRIPTS / "sleep_worker.py", out, cwd=out.parent, env=env)
+    try:
+        pids = wait_for_files(out, ["0.pid", "1.pid", "2.pid"])
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopping pdsh's remote processes" in err
+    assert_all_gone(pids.values())
 
 
 def test_remote_ranks_stop_when_launching_node_dies(tmp_path):

@@ -1,4 +1,6 @@
 """Exact ssh / pdsh / srun command lines for a sample hostfile, and env exports."""
+from dataclasses import replace
+
 import pytest
 
 from zeroengine.launcher.commands import (JobSpec, collect_exports, find_env_files,
@@ -31,21 +33,36 @@ def test_ssh_commands():
 
 
 def test_pdsh_command():
-    command = pdsh_command(LAYOUT, JOB)
+    command = pdsh_command(LAYOUT, replace(JOB, job_id="j42"))
     assert command.argv == (
         "pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1",
-        PREFIX + NODE_CMD.format(node="--node_host %h", extra=""))
+        PREFIX + NODE_CMD.format(node="--node_host %h", extra=" --job_id j42"))
     assert command.env == {"PDSH_RCMD_TYPE": "ssh"}
+    # pdsh's remote launchers have no stdin to watch: a second pdsh stops them by the job id
+    assert command.stop_argv == ("pdsh", "-f", "1024", "-w", "worker-0,worker-1",
+                                 "pkill -TERM -f -- '[-]-job_id j42( |$)'")
+    assert command.failure_marker == " exited with exit code "
+    first, second = pdsh_command(LAYOUT, JOB), pdsh_command(LAYOUT, JOB)
+    assert first.stop_argv != second.stop_argv  # a fresh id per job
+
+
+def test_pdsh_stop_pattern_matches_the_node_launcher_and_not_the_shell_running_it():
+    import re
+    pattern = "[-]-job_id j42( |$)"
+    node = NODE_CMD.format(node="--node_host worker-1", extra=" --job_id j42")
+    assert re.search(pattern, node) and re.search(pattern, "python -m zeroengine.launcher.main --job_id j42")
+    assert not re.search(pattern, "bash -c pkill -TERM -f -- '[-]-job_id j42( |$)'")
+    assert not re.search(pattern, "python launcher --job_id j421")  # another job's id
 
 
 def test_pdsh_escapes_percent_and_passes_flags():
     job = JobSpec(script="pkg.train", script_args=("--lr=50%",), module=True,
                   master_addr="worker-0", cwd="/w", python="py", grace_period=2.5,
-                  pass_local_rank=True)
+                  pass_local_rank=True, job_id="j7")
     assert pdsh_command(LAYOUT, job).argv[-1] == (
         "cd /w && py -u -m zeroengine.launcher.main --launcher local --world_layout "
         "worker-0:0,1@worker-1:0,1 --node_host %h --master_addr worker-0 --master_port "
-        "29500 --grace_period 2.5 --module --pass_local_rank pkg.train --lr=50%%")
+        "29500 --grace_period 2.5 --job_id j7 --module --pass_local_rank pkg.train --lr=50%%")
 
 
 def test_slurm_commands():

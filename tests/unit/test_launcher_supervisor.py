@@ -56,3 +56,30 @@ def test_missing_program():
     code, log, _ = supervise([py("rank 0", SLEEP),
                               LaunchCommand(name="rank 1", argv=("/nonexistent/prog",))])
     assert code == 127 and "cannot start rank 1" in log
+
+
+REPORTS_FAILURE = ("import sys, time; sys.stderr.write('pdsh@main: worker-1: ssh exited with exit code 9\\n'); "
+                   "sys.stderr.flush(); time.sleep(60)")
+
+
+def test_a_failure_reported_on_stderr_ends_the_job_and_runs_the_stop_command(tmp_path):
+    # pdsh reports a failed node and keeps waiting for the others; its remote launchers are reached
+    # only by the stop command
+    stopped = tmp_path / "stopped"
+    remote = LaunchCommand(name="pdsh", argv=(sys.executable, "-c", REPORTS_FAILURE),
+                           failure_marker=" exited with exit code ",
+                           stop_argv=(sys.executable, "-c", f"open({str(stopped)!r}, 'w').write('x')"))
+    code, log, elapsed = supervise([remote], grace=1.0)
+    assert code == 9 and elapsed < 10
+    assert "pdsh reported a failure (pdsh@main: worker-1: ssh exited with exit code 9)" in log
+    assert stopped.read_text() == "x"
+
+
+def test_a_zero_code_on_stderr_is_not_a_failure_and_no_stop_command_runs_after_success(tmp_path):
+    stopped = tmp_path / "stopped"
+    remote = LaunchCommand(name="pdsh", argv=(sys.executable, "-c", "import sys; sys.stderr.write("
+                                              "'w: ssh exited with exit code 0\\n')"),
+                           failure_marker=" exited with exit code ",
+                           stop_argv=(sys.executable, "-c", f"open({str(stopped)!r}, 'w')"))
+    code, log, _ = supervise([remote])
+    assert (code, log) == (0, "") and not stopped.exists()

@@ -12,7 +12,13 @@ how that command reaches the nodes:
   remote stdin closes and the remote ranks are stopped.
 * ``pdsh``: one command for all nodes. pdsh substitutes ``%h`` with each target
   host name in the remote command, so nodes find their rank with
-  ``--node_host %h`` (a literal ``%`` is written ``%%``).
+  ``--node_host %h`` (a literal ``%`` is written ``%%``). pdsh gives the remote
+  launchers no stdin to watch, and killing pdsh does not reach them (its ssh
+  children run in their own sessions), so the job gets a ``--job_id`` and a
+  second pdsh stops it: ``pkill -TERM -f`` on every node, matching that id
+  (``stop_argv``). The launcher also reads pdsh's stderr: pdsh reports a node
+  whose command failed (``... exited with exit code N``) as it happens, while
+  it goes on waiting for the others; that line ends the job (``failure_marker``).
 * ``slurm``: ``srun`` starts the user script itself, one task per rank; the
   script reads its rank from SLURM's variables (``rank_env.py``).
 
@@ -24,7 +30,8 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .hostfile import format_layout, is_uniform
@@ -37,6 +44,8 @@ EXPORT_PREFIXES = ("NCCL_", "GLOO_")
 SSH_OPTIONS = ("-o", "BatchMode=yes")
 PDSH_FANOUT = 1024
 _PDSH_HOST = "ZEROENGINE_PDSH_TARGET_HOST"  # stands for %h until escaping is done
+# What pdsh writes to stderr when a node's remote command exits non-zero (its ssh rcmd module).
+PDSH_FAILURE_MARKER = " exited with exit code "
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class JobSpec:
     python: str = sys.executable
     exports: Mapping[str, str] = field(default_factory=dict)
     grace_period: Optional[float] = None
+    job_id: Optional[str] = None  # on the node launchers' command lines, for pdsh's stop command
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,12 @@ class LaunchCommand:
     # Give it a pipe we never write to, so its stdin closes exactly when we
     # exit (however we die): the remote end of an ssh sees that EOF.
     hold_stdin: bool = False
+    # Run (to completion, bounded) when the job stops before this command ended by itself: reaches
+    # what signalling the command's process group cannot (pdsh's remote node launchers).
+    stop_argv: Optional[Tuple[str, ...]] = None
+    # A line of the command's stderr containing this, followed by a non-zero code, is a failure of the
+    # job even while the command runs on (pdsh: one node failed, the others still run).
+    failure_marker: Optional[str] = None
 
 
 def user_argv(job: JobSpec, local_rank: Optional[int] = None) -> List[str]:
@@ -133,6 +149,8 @@ def node_launcher_argv(job: JobSpec, layout: Mapping[str, List[int]],
             "--master_addr", job.master_addr, "--master_port", str(job.master_port)]
     if job.grace_period is not None:
         argv += ["--grace_period", f"{job.grace_period:g}"]
+    if job.job_id is not None:
+        argv += ["--job_id", job.job_id]
     if watch_stdin:
         argv.append("--watch_stdin")
     for flag in ("module", "no_python", "pass_local_rank"):
@@ -165,14 +183,22 @@ def ssh_commands(layout: Mapping[str, List[int]], job: JobSpec) -> List[LaunchCo
 
 
 def pdsh_command(layout: Mapping[str, List[int]], job: JobSpec) -> LaunchCommand:
-    """One ``pdsh`` for all nodes; each finds its node rank from ``%h``."""
+    """One ``pdsh`` for all nodes; each finds its node rank from ``%h``. Its stop command and
+    failure marker are explained in the module docstring."""
+    if job.job_id is None:
+        job = replace(job, job_id=uuid.uuid4().hex[:16])
     argv = node_launcher_argv(job, layout, ["--node_host", _PDSH_HOST], watch_stdin=False)
     # pdsh expands %h/%u/%n in the remote command; keep every other % literal.
     remote = remote_shell_command(job, argv).replace("%", "%%").replace(_PDSH_HOST, "%h")
+    hosts = ("pdsh", "-f", str(PDSH_FANOUT), "-w", ",".join(layout))
+    # "[-]-job_id" matches "--job_id" but not the text of this pattern, so pkill spares the shell running it.
+    stop = f"pkill -TERM -f -- '[-]-job_id {job.job_id}( |$)'"
     return LaunchCommand(
         name="pdsh",
-        argv=("pdsh", "-S", "-f", str(PDSH_FANOUT), "-w", ",".join(layout), remote),
-        env={"PDSH_RCMD_TYPE": "ssh"})
+        argv=(hosts[0], "-S", *hosts[1:], remote),
+        env={"PDSH_RCMD_TYPE": "ssh"},
+        stop_argv=(*hosts, stop),
+        failure_marker=PDSH_FAILURE_MARKER)
 
 
 def slurm_command(job: JobSpec, num_nodes: int, procs_per_node: int,

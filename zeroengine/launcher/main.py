@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
                        metavar="PORT", help="rendezvous port (default %(default)s)")
     hosts.add_argument("--launcher", choices=LAUNCHERS,
-                       help="how to start the nodes (default: local on one node; "
-                            "pdsh if installed, else ssh, for a multi-host hostfile)")
+                       help="how to start the nodes (default: local on one node, "
+                            "ssh for a multi-host hostfile)")
     run = p.add_argument_group("what to run")
     run.add_argument("--module", action="store_true",
                      help="SCRIPT is a module name, run with 'python -m'")
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="this node's name in --world_layout")
     internal.add_argument("--watch_stdin", action="store_true",
                           help="stop the ranks when stdin closes")
+    internal.add_argument("--job_id", metavar="ID",
+                          help="marks this node launcher's command line, for pdsh's stop command")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module, or program)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                    help="passed to the script untouched")
@@ -182,8 +184,9 @@ def _plan_hostfile(args, procs: Optional[int]):
     hosts = read_hostfile(os.path.expanduser(args.hostfile))
     layout = world_layout(hosts, args.include, args.exclude, args.num_nodes, procs)
     multi = len(layout) > 1
-    launcher = args.launcher or (("pdsh" if shutil.which("pdsh") else "ssh")
-                                 if multi else "local")
+    # ssh, not pdsh, by default even where pdsh is installed (DeepSpeed prefers pdsh): with ssh each
+    # node's launcher watches its session, so a failure or a stop reaches every node at once.
+    launcher = args.launcher or ("ssh" if multi else "local")
     remote_master = multi or launcher != "local"
     job = _job(args, args.master_addr
                or (next(iter(layout)) if remote_master else DEFAULT_MASTER_ADDR))

@@ -14,6 +14,11 @@ commands of a multi-node launch (``main.py``). The rules:
   128+signum. A second signal skips the grace period.
 * On Linux each direct child also gets SIGTERM if we die without cleaning up
   (``PR_SET_PDEATHSIG``), e.g. when we are SIGKILLed.
+* A command with a ``failure_marker`` has its stderr read line by line (and
+  passed on): a line with the marker and a non-zero code fails the job as if
+  the command had exited with it. A command with a ``stop_argv`` has that run
+  (bounded by the grace period) when the job stops while it is still running.
+  Both are for pdsh (see ``commands.py``).
 """
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ import ctypes
 import os
 import select
 import signal
+import re
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, List, Optional, Sequence, TextIO
 
@@ -82,6 +89,7 @@ class Supervisor:
         self.log = log if log is not None else sys.stderr
         self.procs: List[subprocess.Popen] = []
         self._signals: List[int] = []
+        self._reported: List[tuple] = []  # (command, code) from failure markers, appended by reader threads
 
     # --- public ---------------------------------------------------------------
 
@@ -129,15 +137,28 @@ class Supervisor:
                 stdin = subprocess.DEVNULL if self.watch_stdin else None
             try:
                 proc = subprocess.Popen(list(command.argv), env={**os.environ, **command.env},
-                                        stdin=stdin, start_new_session=True,
-                                        preexec_fn=preexec)
+                                        stdin=stdin, start_new_session=True, preexec_fn=preexec,
+                                        stderr=subprocess.PIPE if command.failure_marker else None)
             except OSError as e:
                 self._say(f"cannot start {command.name} ({command.argv[0]}): "
                           f"{e.strerror or e}; stopping the other {self.noun}")
                 self._stop(signal.SIGTERM)
                 return 127 if isinstance(e, FileNotFoundError) else 1
             self.procs.append(proc)
+            if command.failure_marker:
+                threading.Thread(target=self._read_stderr, args=(command, proc), daemon=True).start()
         return None
+
+    def _read_stderr(self, command: LaunchCommand, proc: subprocess.Popen) -> None:
+        """Pass ``proc``'s stderr on, and note a reported failure (see module doc)."""
+        pattern = re.compile(re.escape(command.failure_marker) + r"(-?\d+)")
+        for raw in iter(proc.stderr.readline, b""):
+            line = raw.decode(errors="replace")
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            found = pattern.search(line)
+            if found and int(found.group(1)) != 0:
+                self._reported.append((command, int(found.group(1)), line.strip()))
 
     def _monitor(self) -> int:
         while True:
@@ -151,6 +172,11 @@ class Supervisor:
                           f"stopping all {self.noun}")
                 self._stop(signal.SIGTERM)
                 return 128 + signal.SIGHUP
+            if self._reported:
+                command, code, line = self._reported[0]
+                self._say(f"{command.name} reported a failure ({line}); stopping all {self.noun}")
+                self._stop(signal.SIGTERM)
+                return exit_code_of(code)
             for command, proc in zip(self.commands, self.procs):
                 code = proc.poll()
                 if code is not None and code != 0:
@@ -181,6 +207,7 @@ class Supervisor:
         children may still be running.
         """
         seen = len(self._signals)
+        self._run_stop_commands()
         for proc in self.procs:
             _killpg(proc.pid, signum)
         deadline = time.monotonic() + self.grace_period
@@ -192,6 +219,17 @@ class Supervisor:
             _killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
+
+    def _run_stop_commands(self) -> None:
+        for command, proc in zip(self.commands, self.procs):
+            if command.stop_argv is None or proc.poll() is not None:
+                continue
+            self._say(f"stopping {command.name}'s remote processes: {' '.join(command.stop_argv[:-1])} ...")
+            try:
+                subprocess.run(list(command.stop_argv), env={**os.environ, **command.env},
+                               stdin=subprocess.DEVNULL, timeout=max(self.grace_period, 1.0) + 5.0)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                self._say(f"the stop command for {command.name} failed: {e}")
 
 
 def supervise(commands: Sequence[LaunchCommand], noun: str = "ranks",
