@@ -135,3 +135,19 @@ def test_world_layout_node_selection(capsys, script):
 def test_help(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "--hostfile" in out and "--num_procs" in out
+
+
+def test_slurm_keeps_an_exported_master_port_and_refuses_what_srun_cannot_do(capsys, script, tmp_path,
+                                                                              monkeypatch):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    code, out, _ = run(capsys, "--launcher", "slurm", "--num_nodes", 2, "--num_procs", 2, "--dry_run", script)
+    assert code == 0 and "MASTER_PORT=12345" in out  # docs/cli.md: an exported MASTER_PORT overrides it
+    code, out, _ = run(capsys, "--launcher", "slurm", "--num_nodes", 2, "--num_procs", 2, "--master_port", 777,
+                       "--dry_run", script)
+    assert code == 0 and "MASTER_PORT=777" in out  # the flag wins
+    check_usage_error(capsys, "-H", hostfile, "--launcher", "slurm", "-i", "worker-0:1@worker-1:1", "--dry_run",
+                      script, message="--launcher slurm cannot select devices")
+    check_usage_error(capsys, "--launcher", "slurm", "--pass_local_rank", "--dry_run", script,
+                      message="--pass_local_rank with --launcher slurm")

@@ -106,6 +106,16 @@ def test_exports(tmp_path):
         parse_env_file("A=1\nnot a pair\n", "f")
 
 
+def test_env_file_values_are_read_as_a_shell_reads_them():
+    # a .deepspeed_env moved over as it is: DeepSpeed's exports go through the remote shell
+    text = ("NCCL_SOCKET_IFNAME=\"eth0\"\nFOO='a b'\nBAZ=x # note\nQ=\"it's # here\"  # note\n"
+            "PLAIN=a b\nHASH=a#b\n")
+    assert parse_env_file(text) == {"NCCL_SOCKET_IFNAME": "eth0", "FOO": "a b", "BAZ": "x",
+                                    "Q": "it's # here", "PLAIN": "a b", "HASH": "a#b"}
+    with pytest.raises(ValueError, match="f, line 1: .*quotation"):
+        parse_env_file("A='open\n", "f")
+
+
 def test_node_plans_and_rank_env():
     plan = plan_from_layout({"a": [0, 1, 2], "b": [1, 3]}, node_rank=1,
                             master_addr="a", master_port=7)

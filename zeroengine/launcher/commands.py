@@ -96,7 +96,12 @@ def user_argv(job: JobSpec, local_rank: Optional[int] = None) -> List[str]:
 
 
 def parse_env_file(text: str, source: str = ENV_FILE_NAME) -> Dict[str, str]:
-    """``KEY=VALUE`` lines (optionally ``export KEY=VALUE``; ``#`` comments)."""
+    """``KEY=VALUE`` lines (optionally ``export KEY=VALUE``; ``#`` comments).
+
+    A value is read as a shell would read a ``.deepspeed_env`` line: quotes are removed
+    (``K="eth0"`` is ``eth0``, ``K='a b'`` is ``a b``) and `` # ...`` after the value is a comment.
+    An unquoted value with spaces is kept whole (``K=a b`` is ``a b``).
+    """
     values: Dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -108,8 +113,21 @@ def parse_env_file(text: str, source: str = ENV_FILE_NAME) -> Dict[str, str]:
         key = key.strip()
         if not sep or not key.isidentifier():
             raise ValueError(f"{source}, line {lineno}: expected KEY=VALUE, got {raw.strip()!r}")
-        values[key] = value.strip()
+        values[key] = _env_value(value.strip(), f"{source}, line {lineno}")
     return values
+
+
+def _env_value(value: str, where: str) -> str:
+    if value[:1] in ("'", '"'):
+        try:
+            words = shlex.split(value, comments=True)
+        except ValueError as e:  # an unclosed quote
+            raise ValueError(f"{where}: {e} in {value!r}") from None
+        if len(words) != 1:
+            raise ValueError(f"{where}: expected one quoted value, got {value!r}")
+        return words[0]
+    before_comment, _, _ = value.partition(" #")
+    return before_comment.rstrip()
 
 
 def collect_exports(environ: Mapping[str, str],
@@ -221,9 +239,15 @@ def slurm_command(job: JobSpec, num_nodes: int, procs_per_node: int,
 
 
 def slurm_command_for_layout(layout: Mapping[str, List[int]], job: JobSpec) -> LaunchCommand:
-    """``slurm_command`` for a hostfile layout (needs equal slots per node)."""
+    """``slurm_command`` for a hostfile layout (needs equal slots per node, from 0: srun places ranks on
+    devices itself, so slots picked with --include/--exclude could not be honoured)."""
     if not is_uniform(layout):
         raise ValueError("--launcher slurm needs the same number of processes on every "
                          "node; got " + ", ".join(f"{h}={len(s)}" for h, s in layout.items())
                          + " (use --num_procs to even them out)")
+    picked = {h: s for h, s in layout.items() if list(s) != list(range(len(s)))}
+    if picked:
+        raise ValueError("--launcher slurm cannot select devices (srun places the ranks); got slots "
+                         + ", ".join(f"{h}:{','.join(map(str, s))}" for h, s in picked.items())
+                         + ": select whole hosts, or use --launcher ssh/pdsh")
     return slurm_command(job, len(layout), len(next(iter(layout.values()))), list(layout))

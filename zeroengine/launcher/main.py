@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--master_addr", metavar="ADDR",
                        help="rendezvous address (default 127.0.0.1 on one node, "
                             "the first host of the hostfile on many)")
-    hosts.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT,
-                       metavar="PORT", help="rendezvous port (default %(default)s)")
+    hosts.add_argument("--master_port", type=int, default=None, metavar="PORT",
+                       help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; under --launcher slurm an "
+                            "exported MASTER_PORT)")
     hosts.add_argument("--launcher", choices=LAUNCHERS,
                        help="how to start the nodes (default: local on one node, "
                             "ssh for a multi-host hostfile)")
@@ -132,7 +133,7 @@ def _check_args(args) -> None:
             raise UsageError(f"--node_rank {args.node_rank} must be < --num_nodes {nodes}")
     if args.include and args.exclude:
         raise UsageError("--include and --exclude are mutually exclusive")
-    if not 1 <= args.master_port <= 65535:
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UsageError(f"--master_port {args.master_port} is not a valid TCP port")
     if args.grace_period < 0:
         raise UsageError("--grace_period must be >= 0")
@@ -151,7 +152,8 @@ def _job(args, master_addr: Optional[str]) -> JobSpec:
     return JobSpec(script=args.script, script_args=tuple(args.script_args),
                    module=args.module, no_python=args.no_python,
                    pass_local_rank=args.pass_local_rank, master_addr=master_addr,
-                   master_port=args.master_port, cwd=os.getcwd(),
+                   master_port=DEFAULT_MASTER_PORT if args.master_port is None else args.master_port,
+                   cwd=os.getcwd(),
                    python=sys.executable,
                    grace_period=None if args.grace_period == DEFAULT_GRACE_PERIOD
                    else args.grace_period)
@@ -200,10 +202,21 @@ def _plan_hostfile(args, procs: Optional[int]):
         raise UsageError(f"--node_rank is for --launcher local, not {launcher}")
     job = _with_exports(job)
     if launcher == "slurm":
-        return [slurm_command_for_layout(layout, job)], job
+        return [slurm_command_for_layout(layout, _slurm_job(args, job))], job
     if launcher == "pdsh":
         return [pdsh_command(layout, job)], job
     return ssh_commands(layout, job), job
+
+
+def _slurm_job(args, job: JobSpec) -> JobSpec:
+    """srun starts the script itself, so the ranks read their place from SLURM's variables: there is no
+    --local_rank to pass, and an exported MASTER_PORT stands unless --master_port is given."""
+    if args.pass_local_rank:
+        raise UsageError("--pass_local_rank with --launcher slurm: srun starts the script directly, so the "
+                         "local rank is known only inside each task (read LOCAL_RANK or SLURM_LOCALID)")
+    if args.master_port is None and "MASTER_PORT" in os.environ:
+        return replace(job, master_port=int(os.environ["MASTER_PORT"]))
+    return job
 
 
 def _plan_no_hostfile(args, procs: Optional[int]):
@@ -215,7 +228,7 @@ def _plan_no_hostfile(args, procs: Optional[int]):
         if args.include or args.exclude or args.node_rank is not None:
             raise UsageError("--include/--exclude/--node_rank with --launcher slurm "
                              "need --hostfile (srun places the ranks)")
-        job = _with_exports(_job(args, args.master_addr))
+        job = _slurm_job(args, _with_exports(_job(args, args.master_addr)))
         return [slurm_command(job, num_nodes, procs or _device_count() or 1)], job
     if args.include or args.exclude:
         pool = {"localhost": _device_count() or procs or 1}
