@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,26 +81,35 @@ def _tuples(value):
 
 
 # -- client_state ---------------------------------------------------------------
-_PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.Size, torch.dtype)
+# Exact types: a subclass (numpy.float64 is a float, an IntEnum an int, a namedtuple a tuple, a
+# defaultdict a dict) would be pickled as its own class, which torch.load(weights_only=True) refuses.
+_SCALARS = (str, int, float, bool, type(None), torch.Size, torch.dtype)
+_CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
 def check_plain(value, path: str = "client_state"):
     """Refuse anything ``torch.load(weights_only=True)`` could not read back: the checkpoint must stay data."""
-    if isinstance(value, _PLAIN):
+    kind = type(value)
+    if kind in _SCALARS or isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, dict):
+    if kind in (dict, OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, (str, int, float, bool, type(None))):
+            if type(key) not in (str, int, float, bool, type(None)):
                 raise CheckpointError(f"{path} has a key of type {type(key).__name__}; keys must be plain "
                                       "(str, int, float, bool, None)")
             check_plain(item, f"{path}[{key!r}]")
         return value
-    if isinstance(value, (list, tuple)):
+    if kind in (list, tuple):
         for i, item in enumerate(value):
             check_plain(item, f"{path}[{i}]")
         return value
-    hint = " (save its state_dict() or vars() instead)" if hasattr(value, "state_dict") or hasattr(value, "__dict__") \
-        else ""
-    raise CheckpointError(f"{path} is a {type(value).__module__}.{type(value).__name__}: a checkpoint holds only "
+    plain = next((base for base in (*_SCALARS[:4], *_CONTAINERS) if isinstance(value, base)), None)
+    if plain is not None:
+        hint = f" (a subclass of {plain.__name__}: store {plain.__name__}(value) instead)"
+    elif hasattr(value, "state_dict") or hasattr(value, "__dict__"):
+        hint = " (save its state_dict() or vars() instead)"
+    else:
+        hint = ""
+    raise CheckpointError(f"{path} is a {kind.__module__}.{kind.__name__}: a checkpoint holds only "
                           f"plain types (dict, list, tuple, str, int, float, bool, None) and tensors, so that "
                           f"loading it cannot run code{hint}")
