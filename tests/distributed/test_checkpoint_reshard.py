@@ -14,7 +14,8 @@ import torch
 
 import zeroengine
 from parity import ADAM_EPS, TINY, make_model
-from zeroengine.checkpoint import convert_zero_checkpoint_to_16bit_state_dict, get_fp32_state_dict_from_zero_checkpoint
+from zeroengine.checkpoint import (CheckpointError, convert_zero_checkpoint_to_16bit_state_dict,
+                                   get_fp32_state_dict_from_zero_checkpoint)
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters
 
@@ -120,6 +121,20 @@ def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, tied head included
     for name, value in model.state_dict().items():
         assert torch.equal(value, saved[name]), name
+    # DeepSpeed's converter takes an output directory (and writes pytorch_model.bin there) and more keywords
+    from zeroengine.checkpoint import convert_zero_checkpoint_to_fp32_state_dict
+    (tmp_path / "hf").mkdir()
+    written = convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "hf"), None, False,
+                                                         safe_serialization=False, max_shard_size="5GB")
+    assert written == str(tmp_path / "hf" / "pytorch_model.bin")
+    assert set(torch.load(written, weights_only=True)) == set(saved)
+    with pytest.raises(CheckpointError, match="safe_serialization=True is not supported"):
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "hf"), safe_serialization=True)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    done = subprocess.run([sys.executable, "-m", "zeroengine.checkpoint", save_dir, str(blocked / "model.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "ze_to_fp32: cannot write" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("save,load", [

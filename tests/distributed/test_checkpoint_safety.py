@@ -116,7 +116,7 @@ def test_a_rank_failing_to_write_fails_the_save_on_every_rank(tmp_path):
     assert sorted(os.listdir(save_dir)) == ["good", "latest"]  # the staging directory is gone too
 
 
-def save_on_rank0_only(rank, world, save_dir):
+def save_on_rank0_only(rank, world, save_dir, what="save_checkpoint"):
     os.environ["ZEROENGINE_HANDSHAKE_TIMEOUT"] = "3"
     engine = _engine(world)
     if rank != 0:
@@ -124,15 +124,17 @@ def save_on_rank0_only(rank, world, save_dir):
         return None
     started = time.monotonic()
     try:
-        engine.save_checkpoint(save_dir)
+        getattr(engine, what)(save_dir)
     except CheckpointError as err:
         return str(err), time.monotonic() - started
     return "saved", 0.0
 
 
-def test_save_called_on_rank0_only_fails_clearly_instead_of_hanging(tmp_path):
-    message, waited = run_distributed(save_on_rank0_only, 2, str(tmp_path / "run"))[0]
-    assert "every rank must call it" in message and "rank(s) [1]" in message and "if rank == 0" in message
+@pytest.mark.parametrize("what", ["save_checkpoint", "save_16bit_model"])
+def test_save_called_on_rank0_only_fails_clearly_instead_of_hanging(tmp_path, what):
+    message, waited = run_distributed(save_on_rank0_only, 2, str(tmp_path / "run"), what)[0]
+    assert f"{what} is collective: every rank must call it" in message and "rank(s) [1]" in message
+    assert "if rank == 0" in message
     assert waited < 30
     assert not os.path.exists(tmp_path / "run" / "latest")
 
@@ -194,3 +196,48 @@ def test_saving_again_under_a_tag_replaces_it_whole(tmp_path):
     _, steps, loaded = run_distributed(load_world1, 1, save_dir)[0]
     assert steps == 2 and all(torch.equal(loaded[k], v) for k, v in latest_state.items())
     assert sorted(os.listdir(save_dir)) == ["latest", "t"]
+
+
+def save_to_a_folder_of_its_own(rank, world, root):
+    os.makedirs(os.path.join(root, f"node{rank}"), exist_ok=True)
+    os.chdir(os.path.join(root, f"node{rank}"))  # as if each rank had its own local disk
+    engine = _engine(world)
+    try:
+        engine.save_checkpoint("ckpt", tag="t")
+    except CheckpointError as err:
+        return str(err), sorted(os.listdir("ckpt")) if os.path.isdir("ckpt") else []
+    return None, None
+
+
+def test_a_save_dir_the_ranks_do_not_share_fails_instead_of_committing_a_broken_checkpoint(tmp_path):
+    for message, left in run_distributed(save_to_a_folder_of_its_own, 2, str(tmp_path)):
+        assert "rank 1 wrote shard_00001.pt but rank 0 does not see it" in message
+        assert "every rank shares" in message
+        assert left == []  # no 'latest', no tag, no staging left behind on either "node"
+
+
+@pytest.mark.parametrize("tag", ["latest", ".staging-x", ".replaced-x"])
+def test_tags_that_name_save_dirs_own_entries_are_refused(tag):
+    from zeroengine.checkpoint.manifest import check_tag
+    with pytest.raises(CheckpointError, match="is reserved"):
+        check_tag(tag)
+
+
+def test_load_dir_edge_cases_get_named_answers(tmp_path):
+    from zeroengine.checkpoint import manifest as mf
+    ds = tmp_path / "ds"
+    (ds / "global_step5").mkdir(parents=True)
+    (ds / "global_step5" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (ds / "latest").write_text("global_step5")
+    with pytest.raises(CheckpointError, match="is a DeepSpeed checkpoint, which zeroengine cannot read"):
+        mf.Manifest.read(mf.resolve_tag_dir(str(ds), None))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "latest").write_text("\n")
+    with pytest.raises(CheckpointError, match="latest is empty: pass the tag"):
+        mf.resolve_tag_dir(str(empty), None)
+    one_tag = tmp_path / "run" / "t"
+    one_tag.mkdir(parents=True)
+    (one_tag / "manifest.json").write_text("{}")
+    assert mf.resolve_tag_dir(str(one_tag), None) == str(one_tag)  # a tag directory given as load_dir
+    assert mf.resolve_tag_dir(str(tmp_path / "nothing"), None) is None  # nothing there: (None, None), as DeepSpeed

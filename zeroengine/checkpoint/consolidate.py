@@ -67,14 +67,42 @@ class _Progress:
             self.next_tenth = self.done * 10 // self.total + 1
 
 
+DEFAULT_FILE_NAME = "pytorch_model.bin"  # what DeepSpeed writes into an output directory
+
+
+def output_path(output: str) -> str:
+    """``output`` itself, or ``output/pytorch_model.bin`` when it is a directory (an existing one, or a path
+    ending in a separator): DeepSpeed 0.19.8's converter takes a directory, zeroengine's a file or either."""
+    if os.path.isdir(output) or output.endswith(os.sep):
+        return os.path.join(output, DEFAULT_FILE_NAME)
+    return output
+
+
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False,
+                                               safe_serialization: bool = False, max_shard_size="5GB", *,
                                                dtype: torch.dtype = torch.float32) -> str:
-    """Write :func:`get_fp32_state_dict_from_zero_checkpoint`'s result to ``output_file`` (atomically)."""
+    """Write :func:`get_fp32_state_dict_from_zero_checkpoint`'s result to ``output_file`` (atomically) and
+    return the path written (``output_file/pytorch_model.bin`` for a directory, as DeepSpeed's).
+
+    DeepSpeed's later arguments, in its order: ``exclude_frozen_parameters`` only False (frozen parameters
+    are written), ``safe_serialization`` only False (torch.save format), ``max_shard_size`` accepted with no
+    effect (one file is written, whatever its size).
+    """
+    if exclude_frozen_parameters:
+        raise CheckpointError("exclude_frozen_parameters=True is not supported: the consolidated state_dict "
+                              "holds every parameter and buffer (drop keys from it yourself)")
+    if safe_serialization:
+        raise CheckpointError("safe_serialization=True is not supported: the output is one torch.save file "
+                              "(load it with torch.load, weights_only=True)")
+    path = output_path(output_file)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, dtype)
-    parent = os.path.dirname(os.path.abspath(output_file))
-    os.makedirs(parent, exist_ok=True)
-    save_tensors(state, output_file)
-    return output_file
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_tensors(state, path)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {path}: {err.strerror or err}") from None
+    return path
 
 
 def convert_zero_checkpoint_to_16bit_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,
@@ -82,7 +110,7 @@ def convert_zero_checkpoint_to_16bit_state_dict(checkpoint_dir: str, output_file
     """The same, for inference in 16 bits (floating tensors cast to ``dtype``)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    return convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag, dtype)
+    return convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag, dtype=dtype)
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None):
@@ -107,19 +135,21 @@ def main(argv: list[str] | None = None) -> int:
         description="Consolidate a zeroengine checkpoint (any world size, any ZeRO stage) into one fp32 "
                     "state_dict file loadable with torch.load + module.load_state_dict.")
     parser.add_argument("checkpoint_dir", help="the save_dir given to save_checkpoint, or one tag directory")
-    parser.add_argument("output_file", help="where to write the state_dict (torch.save format)")
+    parser.add_argument("output_file", help="where to write the state_dict (torch.save format); a directory "
+                                            f"gets {DEFAULT_FILE_NAME} in it, as DeepSpeed's zero_to_fp32.py")
     parser.add_argument("--tag", default=None, help="the tag to convert (default: the one 'latest' names)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of the floating-point tensors written (default fp32)")
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
-        convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag, dtype)
+        written = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag,
+                                                             dtype=dtype)
     except CheckpointError as err:
         print(f"ze_to_fp32: {err}", file=sys.stderr)
         return 1
-    size = os.path.getsize(args.output_file)
-    print(f"ze_to_fp32: wrote {args.output_file} ({size / 2**20:.1f} MiB, {args.dtype})")
+    size = os.path.getsize(written)
+    print(f"ze_to_fp32: wrote {written} ({size / 2**20:.1f} MiB, {args.dtype})")
     return 0
 
 

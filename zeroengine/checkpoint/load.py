@@ -18,6 +18,7 @@ import torch
 from zeroengine import comm
 from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters
+from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
 from .agreement import exchange, raise_failures
@@ -37,6 +38,14 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     if plan is not None and plan.tag_dir is None and problem is None:
         if rank == 0:
             get_logger().warning(f"no checkpoint to load in {load_dir} (no 'latest' file there, and no tag given)")
+    # A stored parameter no rank's model claims is one this model does not have (strict, as load_state_dict).
+    # Ranks claim different ones under expert parallelism, so only what every rank leaves unclaimed counts.
+    unclaimed = exchange("load_checkpoint/unclaimed", sorted(plan.unclaimed) if plan and plan.tag_dir else None)
+    lists = [set(u) for u in unclaimed if u is not None]
+    nobody = sorted(set.intersection(*lists)) if lists and len(lists) == len(unclaimed) else []
+    if nobody and problem is None:
+        problem = (f"checkpoint {plan.tag_dir} has parameter(s) {nobody[:8]}{' ...' if len(nobody) > 8 else ''} "
+                   "that this model does not have")
     reports = exchange("load_checkpoint", problem)
     raise_failures({r: msg for r, msg in enumerate(reports) if msg},
                    f"cannot load the checkpoint from {load_dir}; nothing was changed: it failed")
@@ -46,9 +55,9 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     common = plan.common
     optimizer_states = load_optimizer_states and not load_module_only
     plan.apply_pieces(optimizer_states)
-    _load_module_extras(engine, common["module_extras"])
+    _load_module_extras(engine, plan.module_values)
     if not load_module_only:
-        _load_training_state(engine, common, optimizer_states, load_lr_scheduler_states)
+        _load_training_state(engine, common, optimizer_states, load_lr_scheduler_states, plan.group_order)
         plan.restore_rng()
     if rank == 0:
         get_logger().info(f"loaded checkpoint {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
@@ -67,21 +76,27 @@ class _Plan:
         self.manifest = mf.Manifest.read(self.tag_dir)
         self.places = parameter_places(engine.module)
         self.pieces = engine.optimizer.checkpoint_pieces()
-        self._check_params()
-        needed = {mf.COMMON}
+        if mf.COMMON not in self.manifest.data["files"]:
+            raise CheckpointError(f"{self.tag_dir}: the manifest does not list {mf.COMMON}")
+        self.files = {mf.COMMON: load_tensors(self.manifest.verify_file(mf.COMMON))}
+        self.common = self.files[mf.COMMON]
+        self._match_names()
+        self.group_order = self._match_groups()
+        needed = set()
         if os.path.exists(self.manifest.path(mf.shard_file(comm.get_rank()))):
             needed.add(mf.shard_file(comm.get_rank()))
         for piece in self.pieces:
-            for entry in self._entries(piece):
-                needed.add(entry.file)
-        self.files = {}
-        for file in sorted(needed):
-            if file not in self.manifest.data["files"]:
-                if file == mf.COMMON:
-                    raise CheckpointError(f"{self.tag_dir}: the manifest does not list {mf.COMMON}")
-                continue
-            self.files[file] = load_tensors(self.manifest.verify_file(file))
-        self.common = self.files[mf.COMMON]
+            if id(piece.param) not in self.from_extras:
+                needed.update(entry.file for entry in self._entries(piece))
+        for place, numel in self.from_shards.values():
+            needed.update(e.file for e in self.manifest.entries_overlapping(place.name, place.offset,
+                                                                            place.offset + numel))
+        for file in sorted(needed - set(self.files)):
+            if file in self.manifest.data["files"]:
+                self.files[file] = load_tensors(self.manifest.verify_file(file))
+        self.module_values = dict(self.common["module_extras"])
+        for name, (place, numel) in self.from_shards.items():
+            self.module_values[name] = self._assemble(place, numel).view(full_shape(self.module_state[name]))
 
     def _stored(self, piece) -> tuple[str, int, int]:
         """(stored name, start, end) of a piece's elements in the checkpoint."""
@@ -91,18 +106,84 @@ class _Plan:
     def _entries(self, piece):
         return self.manifest.entries_overlapping(*self._stored(piece))
 
-    def _check_params(self) -> None:
-        saved = self.manifest.params
-        mine = {self.places[id(p)].name: stored_shape(self.places[id(p)], p)
-                for p in self.engine.optimizer.checkpoint_params()}
-        missing = sorted(set(mine) - set(saved))
+    def _match_names(self) -> None:
+        """Where each of this model's values comes from, checked both ways (as a strict load_state_dict):
+
+        * a parameter the optimizer holds: its stored (sharded) values, or, if it was frozen when saved,
+          the module extras (``from_extras``: its fp32 values are cut from there, with no optimizer state);
+        * a frozen parameter or a buffer: the module extras, or, if it was trained when saved, its
+          sharded values (``from_shards``);
+        * anything else is missing; stored parameters no model rank claims are refused by the caller.
+        """
+        saved, extras = self.manifest.params, self.common["module_extras"]
+        self.module_state = self.engine.module.state_dict(keep_vars=True)
+        names_of: dict[int, list[str]] = {}
+        for name, t in self.module_state.items():
+            names_of.setdefault(id(t), []).append(name)
+        managed = {id(p): p for p in self.engine.optimizer.checkpoint_params()}
+        self.from_extras: dict[int, torch.Tensor] = {}
+        self.from_shards: dict[str, tuple] = {}
+        missing, claimed = [], set()
+        for pid, p in managed.items():
+            place = self.places[pid]
+            claimed.add(place.name)
+            if place.name in saved:
+                self._check_shape(place.name, stored_shape(place, p), saved[place.name]["shape"])
+                continue
+            extra = next((extras[n] for n in names_of.get(pid, []) if n in extras), None)
+            if extra is None:
+                missing.append(place.name)
+            else:
+                self._check_shape(place.name, list(full_shape(p)), list(extra.shape))
+                self.from_extras[pid] = extra
+        for name, t in self.module_state.items():
+            if id(t) in managed or name in extras:
+                continue
+            place = self.places.get(id(t)) if isinstance(t, torch.nn.Parameter) else None
+            if place is not None and place.name in saved:
+                claimed.add(place.name)
+                self._check_shape(name, list(full_shape(t)),
+                                  saved[place.name]["shape"] if place.shape is None else list(full_shape(t)))
+                self.from_shards[name] = (place, full_shape(t).numel())
+            else:
+                missing.append(name)
         if missing:
-            raise CheckpointError(f"checkpoint {self.tag_dir} has no values for parameter(s) {missing[:8]}"
+            raise CheckpointError(f"checkpoint {self.tag_dir} has no values for {sorted(missing)[:8]}"
                                   f"{' ...' if len(missing) > 8 else ''} of this model")
-        for name, shape in mine.items():
-            if list(shape) != saved[name]["shape"]:
-                raise CheckpointError(f"parameter {name!r} has shape {list(shape)} in this model but "
-                                      f"{saved[name]['shape']} in checkpoint {self.tag_dir}")
+        self.unclaimed = set(saved) - claimed
+
+    def _match_groups(self) -> list[int]:
+        """For each saved param group, the index of this optimizer's group that holds the same parameters
+        (the manifest records each parameter's group), so settings follow parameters, not positions."""
+        saved = self.manifest.params
+        n_saved = len(self.common["param_groups"])
+        now = {id(p): i for i, g in enumerate(self.engine.optimizer.param_groups) for p in g["params"]}
+        mapping: dict[int, int] = {}
+        for piece in self.pieces:
+            name = self.places[id(piece.param)].name
+            was, is_now = saved.get(name, {}).get("group"), now.get(id(piece.opt_param))
+            if was is None or is_now is None:
+                continue
+            if mapping.setdefault(was, is_now) != is_now or list(mapping.values()).count(is_now) > 1:
+                raise CheckpointError(f"parameter {name!r} was in param group {was} when checkpoint {self.tag_dir} "
+                                      f"was saved and is in group {is_now} now, which does not match where the "
+                                      "other parameters went: build the same param groups (in any order)")
+        free = [i for i in range(len(self.engine.optimizer.param_groups)) if i not in mapping.values()]
+        return [mapping[i] if i in mapping else (free.pop(0) if free else i) for i in range(n_saved)]
+
+    def _check_shape(self, name: str, mine: list, theirs: list) -> None:
+        if list(mine) != list(theirs):
+            raise CheckpointError(f"parameter {name!r} has shape {list(mine)} in this model but "
+                                  f"{list(theirs)} in checkpoint {self.tag_dir}")
+
+    def _assemble(self, place, numel: int) -> torch.Tensor:
+        """Elements [offset, offset + numel) of a stored parameter, from every file that holds some."""
+        out = torch.empty(numel, dtype=torch.float32)
+        start, end = place.offset, place.offset + numel
+        for e in self.manifest.entries_overlapping(place.name, start, end):
+            lo, hi = max(start, e.start), min(end, e.end)
+            out[lo - start:hi - start] = self.files[e.file]["entries"][e.index]["value"][lo - e.start:hi - e.start]
+        return out
 
     @torch.no_grad()
     def apply_pieces(self, with_optimizer_state: bool) -> None:
@@ -110,6 +191,10 @@ class _Plan:
         if with_optimizer_state:
             state.clear()
         for piece in self.pieces:
+            extra = self.from_extras.get(id(piece.param))
+            if extra is not None:  # frozen when saved: values only, the optimizer state starts fresh
+                piece.value.copy_(extra.reshape(-1)[piece.start:piece.end].view(piece.value.shape))
+                continue
             name, start, end = self._stored(piece)
             entries = self.manifest.entries_overlapping(name, start, end)
             value = torch.empty(end - start, dtype=torch.float32)
@@ -151,6 +236,7 @@ class _Plan:
 
 @torch.no_grad()
 def _load_module_extras(engine, extras: dict) -> None:
+    """Frozen parameters and buffers (and parameters frozen when saved: the module copy of their values)."""
     targets = engine.module.state_dict(keep_vars=True)
     unknown = sorted(set(extras) - set(targets))
     if unknown:
@@ -165,7 +251,8 @@ def _load_module_extras(engine, extras: dict) -> None:
             target.data.copy_(value)
 
 
-def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler_states: bool) -> None:
+def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler_states: bool,
+                         group_order: list[int]) -> None:
     counters = common["counters"]
     engine.global_steps = counters["global_steps"]
     engine.global_samples = counters["global_samples"]
@@ -177,8 +264,8 @@ def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler
         if len(saved) != len(groups):
             raise CheckpointError(f"the checkpoint has {len(saved)} optimizer param groups, this optimizer "
                                   f"{len(groups)}")
-        for group, values in zip(groups, saved):
-            group.update(values)
+        for index, values in zip(group_order, saved):
+            groups[index].update(values)
     scaler = engine.optimizer.loss_scaler
     if scaler is not None and common["loss_scaler"] is not None:
         scaler.load_state_dict(common["loss_scaler"])

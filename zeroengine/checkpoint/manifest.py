@@ -47,6 +47,9 @@ def check_tag(tag: str) -> str:
     if not _TAG.match(tag) or tag in (".", ".."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name "
                               "(letters, digits, '_', '-', '.', '+', '=', '@'; no path separators)")
+    # save_dir's own entries: the 'latest' file, and the staging / replaced directories of saves
+    if tag == LATEST or tag.startswith((".staging-", ".replaced-")):
+        raise CheckpointError(f"checkpoint tag {tag!r} is reserved (save_dir uses that name itself); pick another")
     return tag
 
 
@@ -72,6 +75,10 @@ class Manifest:
         if not os.path.isdir(tag_dir):
             raise CheckpointError(f"checkpoint directory {tag_dir} does not exist")
         if not os.path.exists(path):
+            if _looks_like_deepspeed(tag_dir):
+                raise CheckpointError(f"{tag_dir} is a DeepSpeed checkpoint, which zeroengine cannot read (the "
+                                      "formats differ): consolidate it with DeepSpeed's zero_to_fp32.py and load "
+                                      "that state_dict into the model before zeroengine.initialize()")
             raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {MANIFEST}): the save that wrote it "
                                   "did not finish; load another tag")
         data = load_json(path)
@@ -147,19 +154,34 @@ def _merge_per_rank_stacks(params: dict) -> dict[str, tuple[str, int]]:
     return moved
 
 
+def _looks_like_deepspeed(folder: str) -> bool:
+    """DeepSpeed writes mp_rank_XX_model_states.pt and *_optim_states.pt files into a tag directory."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(n.startswith("mp_rank_") or n.endswith("optim_states.pt") for n in names)
+
+
 def read_latest(save_dir: str) -> str | None:
     path = os.path.join(save_dir, LATEST)
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return f.read().strip() or None
+        tag = f.read().strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty: pass the tag to load")
+    return tag
 
 
 def resolve_tag_dir(load_dir: str, tag: str | None) -> str | None:
-    """The directory of ``tag`` (or of the tag ``latest`` names); None when there is no checkpoint at all."""
+    """The directory of ``tag`` (or of the tag ``latest`` names, or ``load_dir`` itself when it is one tag's
+    directory); None when there is no checkpoint at all."""
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
+            if os.path.exists(os.path.join(load_dir, MANIFEST)) or _looks_like_deepspeed(load_dir):
+                return load_dir  # one tag's directory (as ze_to_fp32 takes it); Manifest.read says if foreign
             return None
     tag = check_tag(tag)
     tag_dir = os.path.join(load_dir, tag)

@@ -9,6 +9,7 @@ from zeroengine import comm
 from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters, is_partitioned
 
+from .agreement import exchange
 from .files import save_tensors
 
 
@@ -31,6 +32,10 @@ def gathered_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | No
 
 
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    """Collective (as in DeepSpeed): every rank calls it, rank 0 writes the file. A rank that does not
+    arrive is named after the handshake deadline, instead of a collective timing out with no word on why."""
+    exchange("save_16bit_model", None, ". Call engine.save_16bit_model on all ranks, not under `if rank == 0:` "
+                                       "(only rank 0 writes the file anyway)")
     partitioned = any(is_partitioned(p) for p in engine.module.parameters())
     if partitioned and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         if comm.get_rank() == 0:

@@ -74,6 +74,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     outcome = _exchange("save_checkpoint/commit", outcome if rank == 0 else {"error": None})[0]
     raise_failures(failed, f"checkpoint {tag!r} was not saved (latest still names the previous one); writing failed")
     if outcome["error"]:
+        shutil.rmtree(staging, ignore_errors=True)  # every rank: on an unshared save_dir each has its own
         raise CheckpointError(f"checkpoint {tag!r} was not committed by rank 0: {outcome['error']}")
     tag_dir = os.path.join(save_dir, tag)
     if rank == 0:
@@ -168,8 +169,15 @@ def _param_table(engine) -> dict:
 
 def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool) -> None:
     files, params = {}, {}
-    for report in reports:
+    for rank, report in enumerate(reports):
         files.update(report["files"])
+        for file, info in report["files"].items():
+            # Rank 0 commits every rank's files by renaming one directory: they must all be there for it.
+            path = os.path.join(staging, file)
+            if not os.path.isfile(path) or os.path.getsize(path) != info["bytes"]:
+                raise CheckpointError(f"rank {rank} wrote {file} but rank 0 does not see it in {staging}: "
+                                      f"save_dir must be a filesystem every rank shares (the previous "
+                                      f"checkpoint and 'latest' are unchanged)")
         for name, info in report["params"].items():
             known = params.setdefault(name, info)
             if known["group"] is None:
