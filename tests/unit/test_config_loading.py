@@ -266,3 +266,11 @@ def test_zero_force_ds_cpu_optimizer_loads_at_either_value(value):
     cfg = load_config({"train_batch_size": 4, "zero_force_ds_cpu_optimizer": value,
                        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert cfg.zero_stage == 2
+
+
+def test_a_config_object_changed_after_loading_is_refused_by_key_path():
+    cfg = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 1}})
+    assert load_config(cfg, world_size=2).train_micro_batch_size_per_gpu == 2  # unchanged: re-resolved
+    cfg.zero_optimization.stage = 2
+    with pytest.raises(ConfigError, match="zero_optimization.stage: this config object was changed"):
+        load_config(cfg, world_size=2)

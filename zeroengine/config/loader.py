@@ -45,6 +45,7 @@ def load_config(source: ConfigSource, world_size: int = 1, hidden_size: Optional
     _check_positive_int("hidden_size", hidden_size, allow_none=True)
     origin = None
     if isinstance(source, ZeroEngineConfig):
+        _refuse_changed(source)
         data = source._source_data if source._source_data is not None else source.model_dump(exclude_unset=True)
         if hidden_size is None:
             hidden_size = source._hidden_size
@@ -77,7 +78,30 @@ def build_config(data: Dict[str, Any], world_size: int = 1, hidden_size: Optiona
         world_size, any_auto=any_auto_batch)
     cfg._source_data = copy.deepcopy(data)
     cfg._hidden_size = hidden_size
+    cfg._built = cfg.model_dump()
     return cfg
+
+
+def _refuse_changed(cfg: ZeroEngineConfig) -> None:
+    """A config object is re-resolved from the input it was built from (for the world it meets), so a value
+    assigned to it afterwards would be lost without a word: name it instead."""
+    if cfg._built is None:
+        return
+    changed = _first_difference(cfg._built, cfg.model_dump(), "")
+    if changed is not None:
+        raise ConfigError(changed, "this config object was changed after it was loaded; zeroengine re-reads a "
+                                   "config from the dict or file it was loaded from, so the change would be lost: "
+                                   "change the dict or file and load it again")
+
+
+def _first_difference(before: Any, after: Any, path: str) -> Optional[str]:
+    if isinstance(before, dict) and isinstance(after, dict):
+        for key in sorted(set(before) | set(after)):
+            found = _first_difference(before.get(key), after.get(key), f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+        return None
+    return None if before == after else path
 
 
 class _DuplicateKey(Exception):

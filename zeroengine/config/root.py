@@ -78,6 +78,8 @@ class ZeroEngineConfig(ConfigModel):
     # so that load_config(cfg, world_size=...) can re-resolve it for another world.
     _source_data: Optional[dict] = PrivateAttr(default=None)
     _hidden_size: Optional[int] = PrivateAttr(default=None)
+    # Every value as built, to notice a config object changed by assignment before it is re-resolved.
+    _built: Optional[dict] = PrivateAttr(default=None)
 
     def __init__(self, **data: Any) -> None:
         # Direct construction reports problems like load_config does, never as a pydantic error.
