@@ -110,7 +110,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()
 
-    policy = PrecisionPolicy(cfg.precision_dtype)
+    policy = PrecisionPolicy(cfg.precision_dtype, auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
     device = comm.device_for_backend()
     model.to(device)
     broadcast_initial_state(model)  # every rank starts from rank 0's weights, as under DeepSpeed and DDP

@@ -19,6 +19,9 @@ class PrecisionPolicy:
     """
 
     param_dtype: torch.dtype = torch.float32
+    # fp16.auto_cast: cast floating-point inputs of forward to fp16 (as DeepSpeed: off by default, never
+    # under bf16), through lists, tuples and dicts. Off, inputs reach the model as given.
+    auto_cast: bool = False
 
     @property
     def mixed(self) -> bool:
@@ -29,7 +32,15 @@ class PrecisionPolicy:
         return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.param_dtype]
 
     def cast_input(self, value):
-        """Floating-point inputs follow the parameters' dtype (integer token ids are untouched)."""
-        if self.mixed and isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(self.param_dtype)
+        """With ``auto_cast``, floating-point tensors in ``value`` become fp16 (integer token ids are
+        untouched); otherwise ``value`` itself."""
+        if not self.auto_cast:
+            return value
+        if isinstance(value, (list, tuple)):
+            cast = [self.cast_input(v) for v in value]
+            return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+        if isinstance(value, dict):
+            return {k: self.cast_input(v) for k, v in value.items()}
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(torch.float16)
         return value

@@ -16,7 +16,9 @@ class FP16Config(ConfigModel):
 
     enabled: bool = Field(False, description="Train in float16 mixed precision (16-bit params and grads, "
                                              "fp32 master weights and optimizer states).")
-    auto_cast: bool = Field(False, description="Cast floating-point inputs of the model's forward to float16.")
+    auto_cast: bool = Field(False, description="Cast floating-point inputs of the model's forward (also inside "
+                                               "lists, tuples and dicts) to float16; off, inputs reach the model "
+                                               "as given (as in DeepSpeed; bf16 never casts inputs).")
     loss_scale: NonNegativeFloat = Field(0.0, description="Static loss scale; 0 selects dynamic loss scaling.")
     initial_scale_power: NonNegativeInt = Field(
         16, le=127, description="Dynamic scaling starts at a loss scale of 2**initial_scale_power (at most 127: "
