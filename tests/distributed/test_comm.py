@@ -74,3 +74,22 @@ def test_ring_wire_bytes_formulas():
     assert comm.ring_wire_bytes("all_reduce", 100, 4) == 150
     assert comm.ring_wire_bytes("all_gather", 100, 4) == 75
     assert comm.ring_wire_bytes("reduce_scatter", 100, 1) == 0
+
+
+def _repeated_handshakes(rank, world):
+    import torch.distributed as dist
+    from zeroengine.comm.handshake import _store
+
+    got = [comm.handshakes.exchange("op", f"{rank}:0".encode())]
+    dist.barrier()
+    keys_after_one = _store().num_keys()
+    for i in range(1, 6):
+        got.append(comm.handshakes.exchange("op", f"{rank}:{i}".encode()))
+    dist.barrier()
+    return [[p.decode() for p in round_] for round_ in got], keys_after_one, _store().num_keys()
+
+
+def test_handshakes_return_every_rank_payload_and_do_not_pile_up_in_the_store():
+    for rounds, after_one, after_six in run_distributed(_repeated_handshakes, 2):
+        assert rounds == [[f"0:{i}", f"1:{i}"] for i in range(6)]
+        assert after_six <= after_one + 1  # one round's keys stay (plus the barrier's); not six rounds' worth

@@ -140,3 +140,14 @@ def test_visible_devices():
     assert visible_devices([1, 3], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5,7"
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
         visible_devices([2], {"CUDA_VISIBLE_DEVICES": "4,5"})
+
+
+def test_script_args_starting_with_a_double_dash_reach_the_script_through_a_node_launcher():
+    from zeroengine.launcher.commands import node_launcher_argv
+    from zeroengine.launcher.main import build_parser
+    parser = build_parser()
+    for script_args in (("--", "x"), ("y",), ("a", "--", "b")):
+        job = JobSpec(script="train.py", script_args=script_args, master_addr="a")
+        argv = node_launcher_argv(job, {"a": [0]}, ["--node_rank", "0"], watch_stdin=False)
+        assert argv[1:4] == ["-u", "-m", "zeroengine.launcher.main"]
+        assert tuple(parser.parse_args(argv[4:]).script_args) == script_args  # what the node launcher passes on

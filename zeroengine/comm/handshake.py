@@ -53,7 +53,7 @@ class Handshakes:
         timeout = default_timeout_s() if timeout_s is None else timeout_s
         try:
             store.wait(keys, timedelta(seconds=timeout))
-            return [store.get(k) for k in keys]
+            payloads = [store.get(k) for k in keys]
         except dist.DistNetworkError:
             raise HandshakeTimeout(f"rank {rank} lost the connection to the store (hosted by rank 0) during "
                                    f"'{name}': rank 0 has died", [0]) from None
@@ -62,6 +62,14 @@ class Handshakes:
             raise HandshakeTimeout(
                 f"rank {rank} waited {timeout:.0f}s for '{name}' but rank(s) {missing} never called it", missing
             ) from None
+        if seq:
+            # Every rank has posted this round, so every rank has read the previous one: its key can go,
+            # and the store (hosted by rank 0) keeps one round per operation instead of all of them.
+            try:
+                store.delete_key(f"ze_hs/{name}/{seq - 1}/{rank}")
+            except (RuntimeError, NotImplementedError):
+                pass  # a store without delete: only memory is at stake
+        return payloads
 
 
 def _store():

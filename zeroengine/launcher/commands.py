@@ -174,7 +174,9 @@ def node_launcher_argv(job: JobSpec, layout: Mapping[str, List[int]],
     for flag in ("module", "no_python", "pass_local_rank"):
         if getattr(job, flag):
             argv.append(f"--{flag}")
-    return argv + [job.script, *job.script_args]
+    # The node launcher's parser drops one leading "--" after the script, as ours did: give it one to drop.
+    guard = ["--"] if job.script_args[:1] == ("--",) else []
+    return argv + [job.script, *guard, *job.script_args]
 
 
 def remote_shell_command(job: JobSpec, argv: Sequence[str]) -> str:
