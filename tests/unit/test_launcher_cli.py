@@ -151,3 +151,13 @@ def test_slurm_keeps_an_exported_master_port_and_refuses_what_srun_cannot_do(cap
                       script, message="--launcher slurm cannot select devices")
     check_usage_error(capsys, "--launcher", "slurm", "--pass_local_rank", "--dry_run", script,
                       message="--pass_local_rank with --launcher slurm")
+
+
+def test_a_hostfile_selecting_one_remote_host_warns_that_the_ranks_run_here(capsys, script, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    code, _, err = run(capsys, "-H", hostfile, "-i", "worker-1", "--dry_run", script)
+    assert code == 0 and "selects one host, worker-1; its ranks run here" in err
+    hostfile.write_text("localhost slots=2\n")
+    code, _, err = run(capsys, "-H", hostfile, "--dry_run", script)
+    assert code == 0 and "warning" not in err

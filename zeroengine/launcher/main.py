@@ -193,6 +193,10 @@ def _plan_hostfile(args, procs: Optional[int]):
     job = _job(args, args.master_addr
                or (next(iter(layout)) if remote_master else DEFAULT_MASTER_ADDR))
     if launcher == "local":
+        host = next(iter(layout))
+        if not multi and args.launcher is None and not _is_this_machine(host):
+            print(f"zeroengine: warning: the hostfile selects one host, {host}; its ranks run here, on this "
+                  "machine (pass --launcher ssh to start them there)", file=sys.stderr)
         if multi and args.node_rank is None:
             raise UsageError(f"--launcher local with {len(layout)} hosts: pass "
                              "--node_rank to say which one this node is")
@@ -206,6 +210,12 @@ def _plan_hostfile(args, procs: Optional[int]):
     if launcher == "pdsh":
         return [pdsh_command(layout, job)], job
     return ssh_commands(layout, job), job
+
+
+def _is_this_machine(host: str) -> bool:
+    import socket
+
+    return host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn())
 
 
 def _slurm_job(args, job: JobSpec) -> JobSpec:
