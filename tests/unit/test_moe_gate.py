@@ -20,6 +20,8 @@ def test_capacity_maths():
     assert capacity_for(10, 4, 1, 1.0, 4) == 4  # min_capacity wins
     assert capacity_for(10, 4, 2, 1.25, 0) == 7  # ceil(2 * 2.5 * 1.25) = ceil(6.25)
     assert capacity_for(4096, 64, 2, 1.0, 4) == 128
+    # exact arithmetic on the factor: in floats 100 * 1.1 / 2 = 55.000000000000007 would give 56
+    assert capacity_for(100, 2, 1, 1.1, 0) == 55 and capacity_for(50, 2, 2, 1.1, 0) == 55
     gate = TopKGate(8, 4, k=1, capacity_factor=2.0, eval_capacity_factor=0.5, min_capacity=1)
     assert gate.capacity(16) == 8
     gate.eval()

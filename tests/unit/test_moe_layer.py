@@ -73,6 +73,43 @@ def test_residual_moe_mixes_a_dense_mlp():
     assert not any(is_expert_param(p) for p in moe.mlp.parameters())
 
 
+class _WithBias(nn.Module):
+    """A Megatron-style expert: returns (output, bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = _expert()
+
+    def forward(self, x):
+        return self.mlp(x), torch.ones(H)
+
+
+@pytest.mark.parametrize("num_experts", [1, 4])
+@pytest.mark.parametrize("serial", [False, True])
+def test_experts_returning_output_and_bias_use_the_output_as_deepspeed(num_experts, serial):
+    torch.manual_seed(0)
+    moe = MoE(H, _WithBias(), num_experts=num_experts, k=1, drop_tokens=False, use_residual=True)
+    if serial:
+        moe.local_experts.serial_below = 1 << 30  # the one-thread group path (expert_group.py)
+    x = torch.randn(8192, H, requires_grad=True)  # batches over PARALLEL_FROM elements: the group path runs
+    out, _, _ = moe(x)
+    plain = MoE(H, _expert(), num_experts=num_experts, k=1, drop_tokens=False, use_residual=True)
+    for e_plain, e in zip(plain.local_experts, moe.local_experts):
+        e_plain.load_state_dict(e.mlp.state_dict())
+    plain.mlp.load_state_dict(moe.mlp.mlp.state_dict())
+    plain.gate.load_state_dict(moe.gate.state_dict())
+    plain.coefficient.load_state_dict(moe.coefficient.state_dict())
+    torch.testing.assert_close(out, plain(x)[0])
+    out.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in moe.local_experts.parameters())
+
+
+def test_deepspeeds_used_token_is_refused_by_name():
+    moe = MoE(H, _expert(), num_experts=2)
+    with pytest.raises(NotImplementedError, match="used_token"):
+        moe(torch.randn(4, H), torch.ones(4))
+
+
 class _FirstExpertRouter(nn.Module):
     """A custom router: every token to expert 0 with weight 1."""
 

@@ -34,6 +34,16 @@ PARALLEL_FROM = 1 << 13
 _ENGINE = torch.autograd.Variable._execution_engine
 
 
+def expert_output(out):
+    """An expert's output tensor. Megatron-style experts return ``(output, bias)``: as DeepSpeed's MoE does,
+    the first element is the output and the bias is left out."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def call_expert(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return expert_output(expert(x))
+
+
 @contextmanager
 def intra_op_threads(n: int):
     """``torch.set_num_threads(n)`` inside the block (when it lowers the count), restored after."""
@@ -63,12 +73,12 @@ def run_expert_modules(experts: Sequence[nn.Module], chunks: Sequence[torch.Tens
     """``[expert_i(chunk_i)]``, single-threaded forward and backward when the batches are small
     (Note: small experts and threads)."""
     if not wants_serial(chunks, serial_below):
-        return [expert(chunk) for expert, chunk in zip(experts, chunks)]
+        return [call_expert(expert, chunk) for expert, chunk in zip(experts, chunks)]
     owner = experts if isinstance(experts, nn.Module) else nn.ModuleList(experts)
     params = [p for p in owner.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (params or any(c.requires_grad for c in chunks)):
         with intra_op_threads(1):
-            return [expert(chunk) for expert, chunk in zip(experts, chunks)]
+            return [call_expert(expert, chunk) for expert, chunk in zip(experts, chunks)]
     return list(_SerialExperts.apply(tuple(experts), len(chunks), *chunks, *params))
 
 
@@ -80,7 +90,7 @@ class _SerialExperts(torch.autograd.Function):
         chunks, params = tensors[:n], tensors[n:]
         ins = [c.detach().requires_grad_(c.requires_grad) for c in chunks]
         with torch.enable_grad(), intra_op_threads(1):
-            outs = [expert(i) for expert, i in zip(experts, ins)]
+            outs = [call_expert(expert, i) for expert, i in zip(experts, ins)]
         ctx.graph = (ins, outs, params)
         return tuple(o.detach() for o in outs)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .expert_group import SERIAL_BELOW
+from .expert_group import SERIAL_BELOW, call_expert
 from .grouped import GroupedMLPExperts, _has_hooks, grouped_mlp_modules, mlp_spec
 from .grouped_cpu import GradWorkspace
 from .params import tag_expert_params
@@ -100,6 +100,6 @@ def run_experts(experts: nn.Module, x: torch.Tensor, counts: Sequence[int]) -> t
     if isinstance(experts, ExpertList) and experts.use_grouped():
         return grouped_mlp_modules(experts, x, counts, experts.spec, experts.grad_workspace)
     if len(experts) == 1:  # one expert per rank (ep_size == num_experts): no split / concatenate copies
-        return experts[0](x)
+        return call_expert(experts[0], x)
     chunks = x.split(list(counts))
-    return torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
+    return torch.cat([call_expert(expert, chunk) for expert, chunk in zip(experts, chunks)])

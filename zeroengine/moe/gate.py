@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn as nn
@@ -36,8 +37,13 @@ JITTER_EPS = 1e-2
 
 
 def capacity_for(tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
-    """Assignments one expert accepts from ``tokens`` tokens (Note: capacity and priority)."""
-    return max(math.ceil(k * tokens / num_experts * capacity_factor), min_capacity)
+    """Assignments one expert accepts from ``tokens`` tokens (Note: capacity and priority).
+
+    ``ceil(k * tokens / num_experts * capacity_factor)`` in exact arithmetic on the factor as written
+    (1.1 is 11/10): in floats 100 * 1.1 / 2 is 55.000000000000007, whose ceil would be 56.
+    """
+    factor = Fraction(repr(float(capacity_factor)))
+    return max(math.ceil(Fraction(k * tokens, num_experts) * factor), min_capacity)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .dispatch import AllToAllDispatch, DispatchPlan, LocalDispatch
+from .expert_group import expert_output
 from .experts import init_experts, make_local_experts
 from .fused_route import applies as fused_route_applies
 from .gate import TopKGate
@@ -83,7 +84,10 @@ class MoE(nn.Module):
         """Initialise expert g with ``init_fn`` under seed ``seed + g`` (same weights at any ``ep_size``)."""
         init_experts(self.local_experts, self.global_expert_ids, init_fn, seed)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None):
+        if used_token is not None:
+            raise NotImplementedError("MoE.forward(used_token=...) (DeepSpeed's mask of tokens to route, top-1 "
+                                      "only) is not supported: drop the unused tokens from x instead")
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE expects a last dimension of {self.hidden_size}, got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.hidden_size)
@@ -96,7 +100,7 @@ class MoE(nn.Module):
             l_aux, exp_counts = routing.l_aux, routing.exp_counts
         if self.use_residual:
             coef = F.softmax(self.coefficient(tokens).float(), dim=-1).to(out.dtype)
-            out = out * coef[:, :1] + self.mlp(tokens) * coef[:, 1:]
+            out = out * coef[:, :1] + expert_output(self.mlp(tokens)) * coef[:, 1:]
         return out.view(x.shape), l_aux, exp_counts
 
 
