@@ -169,3 +169,41 @@ def test_falls_back_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert CPUAdam(params).backend == "torch"
+
+
+def test_reloaded_state_of_16bit_params_keeps_fp32_moments_and_resumes_exactly(impl):
+    # torch's load_state_dict casts state to the param dtype: fp16 moments underflow, then NaN weights
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        p = torch.nn.Parameter((torch.randn(512) * 0.1).to(dtype))
+        q = torch.nn.Parameter(p.detach().clone())
+        grads = [(torch.randn(512) * 1e-3).to(dtype) for _ in range(4)]
+        opt = CPUAdam([p], lr=1e-3, impl=impl)
+        for g in grads:
+            p.grad = g
+            opt.step()
+        first = CPUAdam([q], lr=1e-3, impl=impl)
+        for g in grads[:2]:
+            q.grad = g
+            first.step()
+        resumed = CPUAdam([q], lr=1e-3, impl=impl)
+        resumed.load_state_dict(first.state_dict())
+        assert resumed.state[q]["exp_avg_sq"].dtype == torch.float32
+        for g in grads[2:]:
+            q.grad = g
+            resumed.step()
+        assert torch.isfinite(q).all() and torch.equal(q, p), dtype
+
+
+def test_deepspeed_style_state_with_an_int_step_and_torch_decoupled_flag_load(impl):
+    ours, ref = make_params([(64,)])
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    step_both(CPUAdam(ours, lr=1e-2, weight_decay=0.1, impl=impl), ref_opt, ours, ref, steps=2)
+    saved = ref_opt.state_dict()
+    saved["state"][0]["step"] = int(saved["state"][0]["step"].item())  # DeepSpeedCPUAdam writes an int
+    to_ours = CPUAdam(ours, lr=1e-2, weight_decay=0.1, adamw_mode=False, impl=impl)
+    to_ours.load_state_dict(saved)
+    assert to_ours.param_groups[0]["adamw_mode"] is True  # AdamW's decoupled_weight_decay=True, as torch obeys
+    ours[0].grad = torch.ones(64)
+    to_ours.step()
+    assert to_ours.state[ours[0]]["step"].item() == 3

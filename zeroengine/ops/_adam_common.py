@@ -65,9 +65,29 @@ class AdamBase(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        # A state dict saved by torch.optim.Adam/AdamW has no adamw_mode key.
         for group in self.param_groups:
+            # A state dict saved by torch.optim.Adam/AdamW has no adamw_mode key; torch's own flag says it.
+            if "adamw_mode" not in group and "decoupled_weight_decay" in group:
+                group["adamw_mode"] = bool(group["decoupled_weight_decay"])
             group.setdefault("adamw_mode", self.defaults["adamw_mode"])
+        for param_state in self.state.values():
+            # DeepSpeed's CPU Adam keeps step as a plain int.
+            if "step" in param_state and not isinstance(param_state["step"], torch.Tensor):
+                param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the moments stay fp32: torch casts saved state to each param's dtype, and
+        fp16 moments underflow (exp_avg_sq to 0, then NaN weights after the next step)."""
+        moments = {index: {key: value for key, value in saved.items()
+                           if key in ("exp_avg", "exp_avg_sq") and isinstance(value, torch.Tensor)}
+                   for index, saved in state_dict["state"].items()}
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        super().load_state_dict(state_dict)
+        param_of = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))  # as torch
+        for index, saved in moments.items():
+            param = param_of[index]
+            for key, value in saved.items():
+                self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
 
     def _advance_state(self, param: torch.Tensor) -> tuple[dict, int]:
         """The param's state (created on first use) after counting one more step."""
