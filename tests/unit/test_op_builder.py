@@ -76,7 +76,7 @@ def _extension_file(builder):
 
 def test_status_does_not_build(cache):
     status = CPUAdamBuilder().status()
-    assert set(status) == {"name", "compatible", "reason", "built", "cache_path"}
+    assert set(status) == {"name", "compatible", "reason", "failure", "built", "cache_path"}
     assert status["name"] == "cpu_adam" and status["built"] is False
     assert Path(status["cache_path"]).is_relative_to(cache_root())
     assert str(cache_root()).startswith(str(cache))
@@ -180,6 +180,18 @@ def test_failed_build_gives_one_line_reason(cache, probe_dir, caplog):
     assert probe.load_or_none() is None  # not rebuilt in this process, and not logged again
     assert len(warnings()) == 1 and probe.status()["reason"] == reason
     assert not probe.status()["built"]
+    # another process (a later ze_report, build_all's table) reads why from the build directory
+    builder_module._failures.clear()
+    later = probe.status()
+    assert later["failure"] == f"last build failed: {reason}" and later["reason"] == later["failure"]
+    assert f"last build failed: {reason}" in format_status_table([later])
+
+
+def test_an_unknown_simd_level_is_a_reason_not_a_traceback(cache, monkeypatch):
+    monkeypatch.setenv(SIMD_ENV, "avx3")
+    status = CPUAdamBuilder().status()
+    assert not status["compatible"] and "ZEROENGINE_SIMD='avx3': expected one of" in status["reason"]
+    assert CPUAdamBuilder().load_or_none() is None
 
 
 def test_registry_lists_every_op(cache):

@@ -29,7 +29,7 @@ def build_all(verbose: bool = False) -> list[dict]:
                 builder.load(verbose=verbose)
                 status = builder.status()
             except OpUnavailableError as exc:
-                status["reason"] = exc.reason
+                status["reason"] = status["failure"] = exc.reason  # shown in the table instead of the cache
         statuses.append(status)
     return statuses
 

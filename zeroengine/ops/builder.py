@@ -118,12 +118,21 @@ class OpBuilder:
     def status(self) -> dict:
         """Compatibility and cache state, for ``ze_report``; never builds."""
         compatible, reason = self.is_compatible()
+        if not compatible:  # its build directory may not even be defined (it hashes the flags)
+            return {"name": self.name, "compatible": False, "reason": reason, "failure": None, "built": False,
+                    "cache_path": ""}
         build_dir = self.build_dir()
+        built = _read_marker(build_dir) is not None
+        failure = _failures.get(self.name)  # why loading failed in this process
+        if failure is None and compatible and not built:  # or why the last build of these sources failed
+            saved = read_json(build_dir / _FAILURE)
+            failure = None if saved is None else f"last build failed: {saved['reason']}"
         return {
             "name": self.name,
             "compatible": compatible,
-            "reason": _failures.get(self.name, reason),
-            "built": _read_marker(build_dir) is not None,
+            "reason": failure or reason,
+            "failure": failure,
+            "built": built,
             "cache_path": str(build_dir),
         }
 
@@ -248,7 +257,11 @@ class CPUOpBuilder(OpBuilder):
 
     def is_compatible(self) -> tuple[bool, str]:
         compatible, reason = super().is_compatible()
-        return compatible, f"{reason}; SIMD {self.simd_level().value}" if compatible else reason
+        try:
+            level = self.simd_level()
+        except ValueError as err:  # a ZEROENGINE_SIMD this module does not know: name it, never a traceback
+            return False, str(err)
+        return compatible, f"{reason}; SIMD {level.value}" if compatible else reason
 
 
 class CUDAOpBuilder(OpBuilder):

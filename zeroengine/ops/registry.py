@@ -29,7 +29,7 @@ def format_status_table(statuses: list[dict]) -> str:
             s["name"],
             "yes" if s["compatible"] else "no",
             "yes" if s["built"] else "no",
-            s["cache_path"] if s["compatible"] else s["reason"],
+            s["cache_path"] if s["compatible"] and not s.get("failure") else s["reason"],
         )
         for s in statuses
     ]
