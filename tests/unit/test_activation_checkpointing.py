@@ -225,6 +225,21 @@ def test_no_grad_is_a_plain_call_and_autograd_grad_is_refused():
         torch.autograd.grad(out.sum(), x)
 
 
+@pytest.mark.parametrize("cpu", [False, True])
+def test_an_input_changed_in_place_before_backward_is_an_error_in_every_mode(cpu):
+    # on CPU, cpu_checkpointing keeps the input itself (no copy): its change would go into the recompute
+    checkpointing.configure(cpu_checkpointing=cpu)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    y = checkpointing.checkpoint(lin, x)
+    x.mul_(100)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    x2 = torch.randn(3, 4)
+    checkpointing.checkpoint(lin, x2).sum().backward()  # untouched inputs: fine
+    assert lin.weight.grad is not None
+
+
 def test_checkpoint_modules_keeps_the_model_the_same_model():
     model = _gpt(wrap=False)
     keys = list(model.state_dict())

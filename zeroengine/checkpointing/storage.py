@@ -104,9 +104,17 @@ class SavedInput:
     partitioned: bool
     parts: int
     group: object
+    # The input's version counter when ``data`` still shares its memory (no copy was made), else None:
+    # an in-place change of the input before backward would silently change the recompute.
+    version: int | None = None
 
     def restore(self) -> torch.Tensor:
         data = self.data
+        if self.version is not None and data._version != self.version:
+            raise RuntimeError("activation checkpointing: an input of a checkpointed function was modified in "
+                               "place after its forward, and the recompute needs its saved value (as autograd "
+                               "says: one of the variables needed for gradient computation has been modified "
+                               "by an inplace operation); clone the input before changing it")
         if data.device != self.device:
             data = data.to(self.device, non_blocking=True)
         if self.partitioned:
@@ -131,8 +139,9 @@ def stash(tensor: torch.Tensor, settings, lease: Lease) -> SavedInput:
         slot = lease.take(arena_for(where, data.dtype), data.numel(), settings.number_checkpoints or 1)
         slot.copy_(data.reshape(-1), non_blocking=True)
         data = slot
+    shared = data.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     return SavedInput(data, tensor.shape, tensor.device, tensor.requires_grad, partitioned, parts,
-                      settings.mp_group)
+                      settings.mp_group, version=tensor._version if shared else None)
 
 
 def _to_pinned(data: torch.Tensor) -> torch.Tensor:
