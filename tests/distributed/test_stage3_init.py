@@ -123,6 +123,27 @@ def test_torch_nn_init_overwrites_without_gathering_the_old_values():
         assert counts == [0, 0, 1], counts
 
 
+def _data_edits(rank, world, use_init):
+    torch.manual_seed(0)
+    with Init(enabled=use_init):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        for layer in model:  # transformers' _init_weights: through .data, outside no_grad
+            layer.weight.data.normal_(mean=0.0, std=0.02)
+            layer.bias.data.zero_()
+        model[0].weight.data[0].fill_(1.0)  # on a view of .data
+    with GatheredParameters(list(model.parameters())):
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_edits_through_dot_data_land_in_the_partitioned_values():
+    # .data of a parameter that was no longer the active one returned the parameter itself, so
+    # p.data.normal_() raised autograd's "a leaf Variable that requires grad ... in-place" error
+    plain = run_distributed(_data_edits, 1, False)[0]
+    for got in run_distributed(_data_edits, 2, True):
+        for name, value in plain.items():
+            assert torch.equal(got[name], value), name
+
+
 def _edit_before_initialize(rank, world):
     model, _ = _init_gpt()
     with GatheredParameters([model.ln_f.weight], modifier_rank=0):

@@ -209,7 +209,11 @@ class _InitMode(TorchFunctionMode):
             if answer is not None:
                 return answer(info_of(first), *args[1:], **kwargs)
             if name == "data.__get__":
-                return first  # so that p.data.normal_() is seen (and run on the full value) too
+                # p.data.normal_(), p.data.zero_(), p.data[0].fill_(...): what follows is not seen (it runs on
+                # a plain alias, not on p), so p gets its full values now and .data is the usual detached
+                # alias of them; the edit lands in the full value, which is cut back to the slice later.
+                self.state.activate(first, read_values=True)
+                return func(*args, **kwargs)
         if name in _PASS_THROUGH:
             return func(*args, **kwargs)
         if len(targets) > 1:
