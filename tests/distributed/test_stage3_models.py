@@ -164,17 +164,32 @@ class TransposedLinear(nn.Module):
         return torch.tanh(x @ self.weight.t())
 
 
-class SavesViews(nn.Module):
-    """Layers that use ``x @ w.t()``: autograd saves the view ``w.t()`` of the gathered buffer, not the
-    parameter, so a released buffer must not be reused (or freed) while that view waits for backward.
-    The last layer's weights sit in a ParameterList (a container that never runs forward itself)."""
+class Positions(nn.Module):
+    """Returns a view of its own parameter (a learned position table sliced to the input's length), which
+    its caller reads after this module's post-forward release: that memory must stay the table's values."""
 
     def __init__(self):
         super().__init__()
+        self.table = nn.Parameter(torch.randn(8, D) * 0.3)
+
+    def forward(self, n: int):
+        return self.table[:n]
+
+
+class SavesViews(nn.Module):
+    """Layers that use ``x @ w.t()``: autograd saves the view ``w.t()`` of the gathered buffer, not the
+    parameter, so a released buffer must not be reused (or freed) while that view waits for backward.
+    The last layer's weights sit in a ParameterList (a container that never runs forward itself).
+    ``positions`` returns a view of its parameter (that process segfaulted before)."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = Positions()
         self.layers = nn.ModuleList(TransposedLinear() for _ in range(4))
         self.extra = nn.ParameterList(nn.Parameter(torch.randn(D, D) * 0.3) for _ in range(2))
 
     def forward(self, x):
+        x = x + self.positions(x.shape[0])
         for layer in self.layers:
             x = layer(x)
         for w in self.extra:
@@ -214,3 +229,36 @@ def test_views_saved_for_backward_keep_their_values():
     for state in run_distributed(_views_train, world, steps):
         for name, want in model.state_dict().items():
             torch.testing.assert_close(state[name], want, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _read_only_edits(rank, world):
+    from zeroengine.zero import Init
+    with Init():
+        built = nn.Linear(8, 8)
+    with GatheredParameters(list(built.parameters())):  # read-only: no modifier_rank
+        if rank == 0:
+            built.weight.data.fill_(7.0)
+    with GatheredParameters(list(built.parameters())):
+        init_values = built.weight.detach().clone()
+    cfg = _config(world)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 6  # kept whole: already gathered
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=cfg)
+    x = _batches(1, world)[0][0][:2]
+    before = engine.module.emb(x).detach().clone()
+    with GatheredParameters([engine.module.emb.weight]):
+        if rank == 0:
+            engine.module.emb.weight.data.fill_(7.0)
+    return (init_values == 7.0).sum().item(), torch.equal(engine.module.emb(x), before)
+
+
+def test_read_only_gathered_parameters_drop_edits_on_every_rank():
+    # DeepSpeed drops an edit made without modifier_rank; before, an Init model kept rank 0's edit in rank
+    # 0's slice only (half the elements), and a persistent parameter in rank 0's live copy only
+    for edited, unchanged in run_distributed(_read_only_edits, 2):
+        assert edited == 0 and unchanged
+
+
+def test_fwd_module_is_refused_by_name():
+    import pytest
+    with pytest.raises(NotImplementedError, match="fwd_module"):
+        GatheredParameters([], fwd_module=nn.Linear(1, 1))

@@ -51,6 +51,11 @@ def is_partitioned(param: torch.Tensor) -> bool:
 
 class GatheredParameters:
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+        if fwd_module is not None:
+            # DeepSpeed registers the parameters as external ones of fwd_module (gathered whenever it runs);
+            # here they would be released on exit while autograd still holds them for backward.
+            raise NotImplementedError("GatheredParameters(fwd_module=...) is not supported: zeroengine has no "
+                                      "external parameters; use a parameter through the module that owns it")
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = list(params) if isinstance(params, Iterable) else [params]
@@ -81,13 +86,19 @@ class GatheredParameters:
             bucket = buffer.layout.buckets[index]
             was_gathered = buffer.is_gathered(bucket)
             buffer.gather(bucket)
-            self._gathered.append((buffer, bucket, owner, was_gathered))
+            # Read-only (no modifier_rank): edits are dropped on exit, as DeepSpeed does. A bucket that was
+            # already gathered (persistent, or kept) would keep them in this rank's live copy only.
+            snapshot = buffer.full[bucket.index].clone() if was_gathered and self.modifier_rank is None else None
+            self._gathered.append((buffer, bucket, owner, was_gathered, snapshot))
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:
             return False
-        for buffer, bucket, owner, was_gathered in self._gathered:
+        for buffer, bucket, owner, was_gathered, snapshot in self._gathered:
+            if snapshot is not None:
+                with torch.no_grad():
+                    buffer.full[bucket.index].copy_(snapshot)
             if self.modifier_rank is not None and exc_type is None:
                 full = buffer.full[bucket.index]
                 comm.broadcast(full, src=self.modifier_rank, group=buffer.group)
@@ -105,9 +116,10 @@ class GatheredParameters:
                 full = p.detach().reshape(-1)
                 if self.modifier_rank is not None and exc_type is None:
                     comm.broadcast(full, src=self.modifier_rank, group=shard.group)
-                lo = min(shard.rank * shard.chunk, shard.numel)
-                hi = min(lo + shard.chunk, shard.numel)
-                shard.shard[:hi - lo].copy_(full[lo:hi])
+                    lo = min(shard.rank * shard.chunk, shard.numel)
+                    hi = min(lo + shard.chunk, shard.numel)
+                    shard.shard[:hi - lo].copy_(full[lo:hi])
+                # (read-only: the slices keep their values; an edit on one rank would land in its slice only)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             mark_partitioned(p)
         self._init_gathered = []

@@ -116,6 +116,8 @@ class PartitionedParamBuffer(ParamBuffer):
         # One full-size tensor per bucket for the buffer's lifetime; a release takes its memory away and
         # the next gather gives it memory again (see "Note: one storage per bucket" and "reusing memory").
         self._storage: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        # Buckets whose memory a tensor outside the buffer still views (see leave_memory_to_views).
+        self._viewed: set[int] = set()
         self._pending: list[object | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         self._release_pages = host_memory.return_freed_memory() and host_memory.can_drop_pages(self._empty)
@@ -221,7 +223,24 @@ class PartitionedParamBuffer(ParamBuffer):
                 full.untyped_storage().resize_(numel * full.element_size())
         return full
 
+    def shares_memory_with(self, bucket: Bucket, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` views this bucket's gathered memory."""
+        storage = self._storage[bucket.index]
+        return (storage is not None and self.full[bucket.index] is not None
+                and tensor.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr())
+
+    def leave_memory_to_views(self, bucket: Bucket) -> None:
+        """A module returned a view of its parameter (``self.table[:n]``): its caller reads it after the
+        module's post-forward release. Freeing, dropping or reusing that memory would leave the view on
+        freed memory (a segfault) or other values, so the next release gives the memory up to the views
+        (they keep it alive while they live) and the bucket's next gather gets new memory."""
+        self._viewed.add(bucket.index)
+
     def _without_memory(self, bucket: Bucket) -> None:
+        if bucket.index in self._viewed:
+            self._viewed.discard(bucket.index)
+            self._storage[bucket.index] = None
+            return
         storage = self._storage[bucket.index]
         if self._release_pages:
             host_memory.drop_pages(storage)

@@ -118,6 +118,11 @@ class Stage3Hooks:
 
     def _post_forward(self, label: str, units: tuple[int, ...]):
         def hook(_module, _args, output):
+            returned = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            for u in units:
+                unit = self.units[u]
+                if any(unit.buffer.shares_memory_with(unit.bucket, t) for t in returned):
+                    unit.buffer.leave_memory_to_views(unit.bucket)
             for u in units:
                 self.in_use[u] -= 1
                 if self.in_use[u] == 0:
