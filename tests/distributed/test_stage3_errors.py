@@ -157,3 +157,22 @@ def test_a_rank_running_other_collectives_is_reported_within_the_deadline_not_hu
     assert name == "Stage3DivergenceError", (name, message)
     assert "gather #" in message and "module out (forward)" in message and "was not joined by every rank" in message
     assert seconds < 60, seconds
+
+
+def _gathered_on_rank0_only(rank, world):
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=base_config(2, 1, world, 0.0, stage=3))
+    try:
+        if rank == 0:
+            with GatheredParameters(list(engine.module.parameters())):
+                pass
+        engine(torch.randn(2, 8), skip=False)
+    except Stage3DivergenceError as exc:
+        return str(exc)
+    return ""
+
+
+def test_gathered_parameters_entered_on_one_rank_only_is_named_by_every_rank():
+    for message in run_distributed(_gathered_on_rank0_only, 2, timeout_s=120):
+        line = message.split("\n  rank 0: ")[1].split("\n")[0]
+        assert "for zeroengine.zero.GatheredParameters (collective: every rank must enter it)" in line, message

@@ -35,6 +35,11 @@ from zeroengine.comm.handshake import default_timeout_s
 from .layout import Bucket
 
 
+# What GatheredParameters gathers for: known to every rank, so a rank that never entered the block can
+# still name it when a peer did.
+GATHERED_PARAMETERS_LABEL = "zeroengine.zero.GatheredParameters (collective: every rank must enter it)"
+
+
 class Stage3DivergenceError(RuntimeError):
     """Ranks were about to gather different stage-3 parameter buckets."""
 
@@ -57,7 +62,8 @@ class GatherOrderCheck:
         # its own timeout: the handshake deadline (ZEROENGINE_HANDSHAKE_TIMEOUT, else the comm timeout)
         self.group = new_group(list(range(self.world)), backend="gloo", timeout_s=default_timeout_s())
         self.count = 0
-        self._labels: dict[int, str] = {}  # hash -> label, for naming what other ranks gathered for
+        # hash -> label, for naming what other ranks gathered for
+        self._labels: dict[int, str] = {zlib.crc32(GATHERED_PARAMETERS_LABEL.encode()): GATHERED_PARAMETERS_LABEL}
 
     def verify(self, tag: int, bucket: Bucket, label: str) -> None:
         if comm.sequence_check_active():  # comm_debug compares every collective, with its label, already

@@ -15,6 +15,7 @@ import torch
 
 from zeroengine import comm
 
+from .gather_order import GATHERED_PARAMETERS_LABEL
 from .init import InitShard, is_init_partitioned
 from .param_guard import info_of, mark_gathered, mark_partitioned
 from .partitioned_params import PartitionedParamBuffer
@@ -85,7 +86,7 @@ class GatheredParameters:
         for _, (buffer, index, owner) in sorted(seen.items(), key=lambda kv: kv[0][1]):
             bucket = buffer.layout.buckets[index]
             was_gathered = buffer.is_gathered(bucket)
-            buffer.gather(bucket)
+            buffer.gather(bucket, GATHERED_PARAMETERS_LABEL)
             # Read-only (no modifier_rank): edits are dropped on exit, as DeepSpeed does. A bucket that was
             # already gathered (persistent, or kept) would keep them in this rank's live copy only.
             snapshot = buffer.full[bucket.index].clone() if was_gathered and self.modifier_rank is None else None
