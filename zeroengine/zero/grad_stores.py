@@ -5,9 +5,9 @@ gradient chunk* of every bucket (``chunk_grads``); they differ in what a rank
 holds on the way:
 
 * :class:`FullGradStore` (stage 1): full gradients, as views into one flat
-  buffer that autograd accumulates into; on the accumulation boundary's
-  backward, one reduce-scatter per bucket as soon as the bucket is complete
-  (nothing is sent between boundaries).
+  buffer that autograd accumulates into; at the end of the accumulation
+  boundary's backward, one reduce-scatter per bucket, in place into this
+  rank's chunk (nothing is sent between boundaries).
 * :class:`PartitionedGradStore` (stage 2): only this rank's gradient chunks.
   As soon as all gradients of a bucket are ready in backward, the bucket is
   reduce-scattered (asynchronously with ``overlap_comm``) and the full
@@ -18,6 +18,17 @@ every rank, but autograd's ready order can differ between ranks (a parameter
 unused on one rank only). Buckets are therefore launched strictly in layout
 order: a ready bucket waits for every earlier bucket, and the end of backward
 flushes the rest (missing gradients count as zeros).
+
+Note: a gradient accumulated more than once in one backward. Autograd sums all uses of a parameter
+in one graph before accumulating, but each segment of reentrant activation checkpointing runs a
+backward of its own, so a weight used in several segments (a tied embedding and head, one layer
+applied in several checkpointed blocks) is accumulated, and its hook fires, once per segment. A bucket
+is complete when each of its parameters has a gradient (distinct parameters are counted, not hook
+calls); stage 2 adds each contribution into the bucket's buffer, and one that arrives after its bucket
+was sent goes into a new buffer that is reduced at the end of backward (reduction is linear: the sum of
+the two reductions is the reduction of the sum). Stage 1 reduces only at the end of backward, when
+every contribution is in its flat buffer; since that reduction is in place, a second backward on the
+same boundary (``retain_graph``, two losses) is refused there with a clear error.
 """
 from __future__ import annotations
 
@@ -77,22 +88,29 @@ class _InOrderLauncher:
     def __init__(self, layout: FlatLayout, launch):
         self.layout = layout
         self._launch = launch
-        self.ready = [0] * len(layout.buckets)
+        self.ready: list[set[int]] = [set() for _ in layout.buckets]
         self.next = 0
 
-    def mark_ready(self, bucket_index: int) -> bool:
-        """Count one more gradient of the bucket; True when the bucket just became complete."""
-        self.ready[bucket_index] += 1
-        return self.ready[bucket_index] == len(self.layout.buckets[bucket_index].slots)
+    def mark_ready(self, bucket_index: int, param_index: int) -> bool:
+        """One more parameter of the bucket has its gradient; True when the bucket just became complete
+        (a parameter accumulated twice counts once: see "Note: a gradient accumulated more than once")."""
+        seen = self.ready[bucket_index]
+        if param_index in seen:
+            return False
+        seen.add(param_index)
+        return len(seen) == len(self.layout.buckets[bucket_index].slots)
+
+    def launched(self, bucket_index: int) -> bool:
+        return bucket_index < self.next
 
     def launch_ready(self, force: bool) -> None:
         buckets = self.layout.buckets
-        while self.next < len(buckets) and (force or self.ready[self.next] >= len(buckets[self.next].slots)):
+        while self.next < len(buckets) and (force or len(self.ready[self.next]) >= len(buckets[self.next].slots)):
             self._launch(buckets[self.next])
             self.next += 1
 
     def reset(self) -> None:
-        self.ready = [0] * len(self.layout.buckets)
+        self.ready = [set() for _ in self.layout.buckets]
         self.next = 0
 
 
@@ -106,13 +124,9 @@ class FullGradStore:
         self.flat_grads = torch.zeros_like(flat_params.flat)
         self.chunk_grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
         self._attach_grad_views()
-        # On the boundary micro-step each bucket is reduced as soon as its gradients are
-        # complete, overlapping the rest of backward (between boundaries: nothing is sent).
-        self._launcher = _InOrderLauncher(self.layout, self._launch)
-        self._bucket_of = self.layout.bucket_of_param()
-        self._reducing = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                         for i, p in enumerate(flat_params.params)]
+        # Reduced at the end of the boundary micro-step's backward, once every contribution is in (see
+        # "Note: a gradient accumulated more than once"); between boundaries nothing is sent.
+        self._reduced = False
 
     def _grad_view(self, slot) -> torch.Tensor:
         p = self.flat_params.params[slot.index]
@@ -131,15 +145,6 @@ class FullGradStore:
             for slot in bucket.slots:
                 self._attach(slot)
 
-    def _make_hook(self, index: int):
-        def hook(_param):
-            if not self._reducing:
-                return
-            self._launcher.mark_ready(self._bucket_of[index])
-            self._launcher.launch_ready(force=False)
-
-        return hook
-
     def _launch(self, bucket: Bucket) -> None:
         for slot in bucket.slots:
             self._attach(slot)
@@ -149,21 +154,25 @@ class FullGradStore:
                             out=self.flat_grads[lo:hi])
 
     def begin_backward(self, is_boundary: bool) -> None:
-        self._reducing = is_boundary
-        self._launcher.reset()
+        if self._reduced:
+            raise RuntimeError("ZeRO stage 1: a second backward() on the accumulation-boundary micro-step (two "
+                               "losses, or retain_graph) after its gradients were reduced is not supported: "
+                               "add the losses and call backward() once, or use stage 0 or 2")
 
     def finish_backward(self, is_boundary: bool) -> None:
         if not is_boundary:
             return
-        self._launcher.launch_ready(force=True)  # buckets some gradient never reached
+        for bucket in self.layout.buckets:
+            self._launch(bucket)
         for bucket, chunk, _ in self.reducer.drain():
             self.chunk_grads[bucket.index] = chunk.to(self.flat_grads.dtype)
-        self._reducing = False
+        self._reduced = True
 
     def zero(self) -> None:
         self.flat_grads.zero_()
         self.chunk_grads = [None] * len(self.layout.buckets)
         self._attach_grad_views()
+        self._reduced = False
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.flat_grads] + [c for c in self.chunk_grads if c is not None]
@@ -206,9 +215,13 @@ class PartitionedGradStore:
             if param.grad is not None:
                 slot = self._slot_of[index]
                 start = slot.flat_start - bucket.flat_start
-                self._buffer(bucket)[start:start + slot.numel].copy_(param.grad.reshape(-1))
+                # added, not copied: a parameter can be accumulated more than once in one backward, and one
+                # whose bucket was already sent starts a new buffer (see the module's notes)
+                self._buffer(bucket)[start:start + slot.numel].add_(param.grad.reshape(-1))
                 param.grad = None  # the full gradient is dropped as soon as it is in the bucket
-            if self._launcher.mark_ready(b) and self._on_bucket_ready is not None:
+            if self._launcher.launched(b):
+                return
+            if self._launcher.mark_ready(b, index) and self._on_bucket_ready is not None:
                 self._on_bucket_ready(bucket)
             self._launcher.launch_ready(force=False)
 
@@ -238,8 +251,28 @@ class PartitionedGradStore:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
         self._launcher.launch_ready(force=True)
+        self._reduce_late()
         self._accumulate(keep=0)
         self._launcher.reset()
+
+    def _reduce_late(self) -> None:
+        """Reduce what reached buckets after they were sent (left in ``_buffers``; see "Note: a gradient
+        accumulated more than once"). The ranks agree on which buckets first (a tiny control all-gather),
+        since the reductions must pair: a rank whose bucket was sent later may have no such leftover."""
+        buckets = self.layout.buckets
+        if self.reducer.world > 1:
+            device = comm.device_for_backend()
+            mine = torch.zeros(len(buckets), dtype=torch.int32, device=device)
+            if self._buffers:
+                mine[sorted(self._buffers)] = 1
+            everyone = torch.empty(len(buckets) * self.reducer.world, dtype=torch.int32, device=device)
+            comm.control_all_gather(everyone, mine, group=self.reducer.group)
+            late = everyone.view(self.reducer.world, -1).amax(0).nonzero().flatten().tolist()
+        else:
+            late = sorted(self._buffers)
+        for index in late:
+            self._buffer(buckets[index])  # zeros on a rank that had nothing left for this bucket
+            self.reducer.launch(buckets[index], self._buffers.pop(index))
 
     def zero(self) -> None:
         for c in self.chunk_grads:
