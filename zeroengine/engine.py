@@ -30,6 +30,8 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self.last_step: StepResult | None = None
+        self._step_applied = False  # by the latest step() call (False between boundaries, as DeepSpeed)
+        self._backward_since_step = False
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._meter = ProgressMeter(config.train_batch_size)
         self._timers = StepTimers() if config.wall_clock_breakdown else None
@@ -69,8 +71,9 @@ class Engine:
         return self.last_step.grad_norm if self.last_step is not None else None
 
     def was_step_applied(self) -> bool:
-        """False before the first step and after an fp16 step skipped for overflow."""
-        return self.last_step is not None and self.last_step.applied
+        """Whether the latest ``step()`` updated the parameters: False before the first step, after a
+        ``step()`` between accumulation boundaries, and after a step skipped for overflow (as DeepSpeed)."""
+        return self._step_applied
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
@@ -132,6 +135,7 @@ class Engine:
             scaled = scaled * self.optimizer.loss_scale
         boundary = self.is_gradient_accumulation_boundary()
         self.optimizer.begin_backward(boundary)
+        self._backward_since_step = True
         scaled.backward(retain_graph=retain_graph)
         self.optimizer.finish_backward(boundary)
         self._time("backward", start=False)
@@ -139,11 +143,19 @@ class Engine:
 
     def step(self) -> None:
         """Step the optimizer, but only at a gradient-accumulation boundary."""
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            if not self._backward_since_step:
+                # Stages 1-3 would step their zero gradient chunks (Adam's moments and weight decay still move
+                # the weights) where stage 0 steps nothing: refuse, as DeepSpeed's stages 1-3 do (with a TypeError).
+                raise RuntimeError("engine.step() at an accumulation boundary with no engine.backward() since the "
+                                   "last optimizer step: there are no gradients to step with")
+            self._backward_since_step = False
             self._time("step", start=True)
             lr = self.get_lr()[0]  # the rate this step applies, for the monitors (the scheduler moves it below)
             result = self.optimizer.step()
             self.last_step = result
+            self._step_applied = result.applied
             if result.applied:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()

@@ -279,3 +279,19 @@ def test_load_checkpoint_takes_load_module_strict(tmp_path):
     assert client["k"] == 1
     with pytest.raises(ValueError, match="strict=False"):
         engine.load_checkpoint(str(tmp_path), load_module_strict=False)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_was_step_applied_follows_each_step_call_and_a_step_without_backward_is_refused(stage):
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=_config(stage, gradient_accumulation_steps=2))
+    applied = []
+    for x, y in _batches(4):
+        engine.backward(_loss(engine, x, y))
+        engine.step()
+        applied.append(engine.was_step_applied())
+    assert applied == [False, True, False, True]  # between boundaries step() is a no-op (as DeepSpeed says)
+    engine.step()  # not a boundary: nothing to do, no error
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    with pytest.raises(RuntimeError, match="no engine.backward\\(\\) since the last optimizer step"):
+        engine.step()  # the boundary, with no gradients: stages 1-3 moved weights with zero gradients
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
