@@ -93,3 +93,20 @@ def test_handshakes_return_every_rank_payload_and_do_not_pile_up_in_the_store():
     for rounds, after_one, after_six in run_distributed(_repeated_handshakes, 2):
         assert rounds == [[f"0:{i}", f"1:{i}"] for i in range(6)]
         assert after_six <= after_one + 1  # one round's keys stay (plus the barrier's); not six rounds' worth
+
+
+def _gathers_to_rank0(rank, world):
+    import torch.distributed as dist
+    from zeroengine.comm.handshake import _store
+
+    results = [comm.handshakes.gather("tables", f"table of {rank}:{i}".encode()) for i in range(4)]
+    dist.barrier()
+    left = [k for k in (f"ze_hs/tables/{i}/{r}" for i in range(4) for r in range(world)) if _store().check([k])]
+    return [None if r is None else [p.decode() for p in r] for r in results], left
+
+
+def test_a_handshake_gather_reaches_rank0_only_and_leaves_nothing_in_the_store():
+    # a save's file and parameter tables: every rank downloading every rank's grows with world size squared
+    (rank0, keys0), (rank1, keys1) = run_distributed(_gathers_to_rank0, 2)
+    assert rank0 == [[f"table of 0:{i}", f"table of 1:{i}"] for i in range(4)] and rank1 == [None] * 4
+    assert keys0 == keys1 == []  # rank 0 deleted what it read

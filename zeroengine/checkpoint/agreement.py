@@ -18,6 +18,16 @@ def exchange(name: str, payload, advice: str = "") -> list:
     return [json.loads(r) for r in raw]
 
 
+def gather_to_rank0(name: str, payload, advice: str = "") -> list | None:
+    """Every rank's ``payload`` on rank 0 (None elsewhere; see ``Handshakes.gather``)."""
+    try:
+        raw = comm.handshakes.gather(name, json.dumps(payload).encode())
+    except comm.HandshakeTimeout as err:
+        raise CheckpointError(f"{name.split('/')[0]} is collective: every rank must call it, but rank(s) "
+                              f"{err.missing} did not reach it in time ({err}){advice}") from None
+    return None if raw is None else [json.loads(r) for r in raw]
+
+
 def raise_failures(failed: dict[int, str], what: str) -> None:
     """One error naming each rank that failed and why (nothing when ``failed`` is empty)."""
     if failed:

@@ -29,7 +29,7 @@ from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters
 
 from . import manifest as mf
-from .agreement import exchange, raise_failures
+from .agreement import exchange, gather_to_rank0, raise_failures
 from .files import CheckpointError, fsync_dir, save_json, save_tensors, save_text
 from .state import capture_rng, check_plain, parameter_aliases, parameter_names, parameter_places, stored_shape
 
@@ -59,8 +59,10 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
                                                       os.path.join(staging, mf.COMMON))
     except Exception as err:  # noqa: BLE001 - reported to every rank, then re-raised below
         report["error"] = f"{type(err).__name__}: {err}"
-    reports = _exchange("save_checkpoint/report", report)
-    failed = {r: rep["error"] for r, rep in enumerate(reports) if rep["error"]}
+    # Only rank 0 commits, so only it reads the file and parameter tables; every rank learns of failures.
+    reports = gather_to_rank0("save_checkpoint/report", report, _SAVE_ADVICE)
+    errors = _exchange("save_checkpoint/errors", {"error": report["error"]})
+    failed = {r: rep["error"] for r, rep in enumerate(errors) if rep["error"]}
 
     outcome = {"error": None}
     if rank == 0:

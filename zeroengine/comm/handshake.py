@@ -72,6 +72,37 @@ class Handshakes:
         return payloads
 
 
+    def gather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes] | None:
+        """Post ``payload``; rank 0 gets every rank's, in rank order (others get None at once and do not
+        wait). For payloads only rank 0 needs (a save's file tables): every rank downloading every rank's
+        would grow with the square of the world size."""
+        seq = self._count.get(name, 0)
+        self._count[name] = seq + 1
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world == 1:
+            return [payload]
+        store = _store()
+        prefix = f"ze_hs/{name}/{seq}"
+        store.set(f"{prefix}/{rank}", payload)
+        if rank != 0:
+            return None
+        keys = [f"{prefix}/{r}" for r in range(world)]
+        timeout = default_timeout_s() if timeout_s is None else timeout_s
+        try:
+            store.wait(keys, timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - the store's timeout error
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            raise HandshakeTimeout(f"rank 0 waited {timeout:.0f}s for '{name}' but rank(s) {missing} never "
+                                   "called it", missing) from None
+        payloads = [store.get(k) for k in keys]
+        for k in keys:  # rank 0 is the only reader
+            try:
+                store.delete_key(k)
+            except (RuntimeError, NotImplementedError):
+                pass
+        return payloads
+
+
 def _store():
     from torch.distributed.distributed_c10d import _get_default_store
 
