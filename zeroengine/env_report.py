@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import importlib
 import platform
 import shutil
@@ -140,12 +141,19 @@ def main(argv=None) -> int:
     parser.add_argument("--estimate", type=float, metavar="MODEL_PARAMS",
                         help="instead of the environment, print per-rank memory for a model of this many "
                              "parameters (e.g. 1.3e9) at every stage and offload mode")
-    parser.add_argument("--world", type=int, default=1, help="data-parallel ranks for --estimate (default 1)")
+    parser.add_argument("--world", type=int, default=None, help="data-parallel ranks for --estimate (default 1)")
     args = parser.parse_args(argv)
-    if args.estimate is not None:
-        if args.estimate <= 0 or args.world < 1:
-            parser.error("--estimate needs a positive parameter count and --world a positive rank count")
-        print(render_estimate(int(args.estimate), args.world))
+    if args.estimate is None:
+        if args.world is not None:
+            parser.error("--world goes with --estimate")
+    else:
+        world = 1 if args.world is None else args.world
+        if not math.isfinite(args.estimate) or args.estimate < 1 or args.estimate != int(args.estimate) or world < 1:
+            parser.error("--estimate needs a whole, positive parameter count (e.g. 1.3e9) and --world a positive "
+                         "rank count")
+        if args.json:
+            parser.error("--json reports the environment; --estimate prints a table")
+        print(render_estimate(int(args.estimate), world))
         return 0
     report = collect()
     if args.json:

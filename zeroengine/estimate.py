@@ -25,15 +25,26 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
 
     ``offload_optimizer`` may be a fraction (``offload_optimizer.ratio``, partial offload): that share of
     the masters and optimizer state is in CPU memory, the rest on the device; in fp32 training only the
-    offloaded share has masters (the resident share steps the parameters themselves)."""
+    offloaded share has masters (the resident share steps the parameters themselves). For a module,
+    parameters count all its parameters and the rest only the trainable ones (frozen ones have no gradient,
+    master or optimizer state); a count is taken as all trainable."""
     if isinstance(model_or_param_count, torch.nn.Module):
-        psi = sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad)
+        params = list(model_or_param_count.parameters())
+        psi_all = sum(p.numel() for p in params)
+        psi = sum(p.numel() for p in params if p.requires_grad)
     else:
-        psi = int(model_or_param_count)
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be positive, got {world_size}")
+        count = model_or_param_count
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0 \
+                or count != int(count):
+            raise ValueError(f"model_or_param_count must be an nn.Module or a whole number of parameters >= 0, "
+                             f"got {count!r}")
+        psi = psi_all = int(count)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be the integer 0, 1, 2 or 3, got {stage!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not isinstance(offload_optimizer, (bool, int, float)):
+        raise ValueError(f"offload_optimizer must be a bool or a fraction within [0, 1], got {offload_optimizer!r}")
     ratio = float(offload_optimizer)
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"offload_optimizer must be a bool or a fraction within [0, 1], got {offload_optimizer}")
@@ -47,7 +58,7 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
     sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
     stepped = psi / (n if sharded["optimizer"] else 1)  # elements this rank's optimizer steps
     est = {
-        "params": width * psi / (n if sharded["params"] else 1),
+        "params": width * psi_all / (n if sharded["params"] else 1),
         "grads": width * psi / (n if sharded["grads"] else 1),
         "master_params": 4 * stepped * (1.0 if dtype != torch.float32 else ratio),
         "optimizer_states": optimizer_state_bytes_per_param * stepped,

@@ -26,3 +26,12 @@ def test_estimate_table_matches_estimate_memory(capsys):
 def test_estimate_rejects_nonsense():
     with pytest.raises(SystemExit):
         env_report.main(["--estimate", "-5"])
+
+
+@pytest.mark.parametrize("argv", [["--estimate", "nan"], ["--estimate", "inf"], ["--estimate", "0.5"],
+                                  ["--world", "2"], ["--estimate", "1e6", "--json"]])
+def test_estimate_arguments_that_cannot_mean_anything_are_usage_errors(argv, capsys):
+    from zeroengine.env_report import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "ze_report: error:" in capsys.readouterr().err

@@ -43,8 +43,22 @@ def test_partial_offload_splits_masters_and_state_by_the_ratio():
 
 @pytest.mark.parametrize("kwargs", [dict(stage=4), dict(stage=0, offload_optimizer=True), dict(stage=2, offload_param=True),
                                     dict(stage=1, dtype=torch.int8), dict(stage=1, world_size=0),
-                                    dict(stage=2, offload_optimizer=1.5), dict(stage=2, offload_optimizer=-0.5)])
+                                    dict(stage=2, offload_optimizer=1.5), dict(stage=2, offload_optimizer=-0.5),
+                                    dict(model_or_param_count=-1e9), dict(model_or_param_count=float("nan")),
+                                    dict(model_or_param_count=2.5), dict(world_size=2.5), dict(stage=True),
+                                    dict(stage="2"), dict(stage=2, offload_optimizer="cpu")])
 def test_bad_arguments(kwargs):
     args = dict(model_or_param_count=10, world_size=2, stage=1) | kwargs
     with pytest.raises(ValueError):
         zeroengine.estimate_memory(**args)
+
+
+def test_frozen_parameters_count_as_parameters_only():
+    # LoRA / frozen-base fine-tuning: the frozen weights are held (partitioned at stage 3) but have no
+    # gradient, master or optimizer state
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))  # 10,100 each
+    model[0].requires_grad_(False)
+    for stage in (2, 3):
+        est = zeroengine.estimate_memory(model, 2, stage, dtype=torch.bfloat16)
+        assert est["params"] == 2 * 20_200 / (2 if stage == 3 else 1)
+        assert est["grads"] == 2 * 10_100 / 2 and est["optimizer_states"] == 8 * 10_100 / 2

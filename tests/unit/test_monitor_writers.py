@@ -202,3 +202,22 @@ def test_nan_and_inf_survive_both_writers(tmp_path):
     assert math.isnan(float(row[3])) and float(row[4]) == math.inf
     scalars = read_scalars(t.path)
     assert math.isnan(scalars["train/loss"][0][1]) and scalars["train/grad_norm"][0][1] == math.inf
+
+
+def test_two_writers_into_one_job_directory_keep_each_others_records(tmp_path):
+    # a second initialize() into the same job in the same second: the event file names were equal (the
+    # second truncated the first), and the first CSV writer overwrote the second's rows from its position
+    first_tb, second_tb = TensorBoardMonitor(str(tmp_path)), TensorBoardMonitor(str(tmp_path))
+    assert first_tb.path != second_tb.path
+    first_csv, second_csv = CsvMonitor(str(tmp_path)), CsvMonitor(str(tmp_path))
+    records = _records(4)
+    for writer_tb, writer_csv, r in zip((first_tb, second_tb) * 2, (first_csv, second_csv) * 2, records):
+        writer_tb.write(r)
+        writer_csv.write(r)
+    for m in (first_tb, second_tb, first_csv, second_csv):
+        m.close()
+    assert [s for s, _ in read_scalars(first_tb.path)["train/loss"]] == [1, 3]
+    assert [s for s, _ in read_scalars(second_tb.path)["train/loss"]] == [2, 4]
+    with open(first_csv.path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert [row[0] for row in rows[1:]] == ["1", "2", "3", "4"] and rows.count(rows[0]) == 1

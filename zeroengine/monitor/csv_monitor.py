@@ -61,7 +61,9 @@ class CsvMonitor(Monitor):
                 aside = f"{self.path}.{int(time.time())}.old"
                 os.replace(self.path, aside)
                 get_logger().info(f"monitor: {self.path} had other columns; moved it to {aside}")
-        self._file = open(self.path, "a" if append else "w", newline="")
+        # Always append (O_APPEND): two writers on one file (a second initialize() into the same job) then
+        # add rows after each other's instead of overwriting them from a stale position.
+        self._file = open(self.path, "a", newline="")
         self._writer = csv.writer(self._file)
         self._columns = names
         if not append:

@@ -17,18 +17,25 @@ from .event_proto import FILE_VERSION, Event, decode_event, encode_event
 from .tfrecord import read_records, write_record
 
 
-def event_file_name(now: float | None = None) -> str:
-    # "tfevents" in the name is what TensorBoard looks for; host and pid keep concurrent runs apart.
+def event_file_name(now: float | None = None, serial: int = 0) -> str:
+    # "tfevents" in the name is what TensorBoard looks for; host and pid keep concurrent runs apart, and
+    # the serial two writers of one process in the same second (a second initialize(), as torch's writer).
     stamp = int(time.time() if now is None else now)
-    return f"events.out.tfevents.{stamp}.{socket.gethostname()}.{os.getpid()}.0"
+    return f"events.out.tfevents.{stamp}.{socket.gethostname()}.{os.getpid()}.{serial}"
 
 
 class TensorBoardMonitor(Monitor):
     def __init__(self, directory: str):
         os.makedirs(directory, exist_ok=True)
         now = time.time()
-        self.path = os.path.join(directory, event_file_name(now))
-        self._file = open(self.path, "wb")
+        serial = 0
+        while True:  # exclusive create: never truncate another writer's file
+            self.path = os.path.join(directory, event_file_name(now, serial))
+            try:
+                self._file = open(self.path, "xb")
+                break
+            except FileExistsError:
+                serial += 1
         write_record(self._file, encode_event(Event(wall_time=now, file_version=FILE_VERSION)))
         self._file.flush()
 
