@@ -43,24 +43,42 @@ def set_log_level(level: str | None) -> None:
 
 
 class StepTimers:
-    """Accumulated seconds per phase (forward / backward / step) since the last report."""
+    """Seconds per phase (forward / backward / step) since the last report, reported per optimizer step
+    (as DeepSpeed's per-step lines: a forward of each micro-step of an accumulation step adds up).
+
+    On CUDA each phase ends with a synchronize, so it times the work and not only its launches (which is
+    why this is off by default: the sync costs overlap)."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self._started: dict[str, float] = {}
+        self.steps = 0
 
     def start(self, name: str) -> None:
+        _sync()
         self._started[name] = time.perf_counter()
 
     def stop(self, name: str) -> None:
         t0 = self._started.pop(name, None)
         if t0 is not None:
+            _sync()
             self.totals[name] += time.perf_counter() - t0
+        if name == "step":
+            self.steps += 1
 
     def report_and_reset(self) -> str:
-        text = " | ".join(f"{k} {v * 1000:.1f}ms" for k, v in self.totals.items())
+        steps = max(self.steps, 1)
+        text = " | ".join(f"{k} {v * 1000 / steps:.1f}ms" for k, v in self.totals.items()) + " (per step)"
         self.totals.clear()
+        self.steps = 0
         return text
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class ProgressMeter:

@@ -38,8 +38,9 @@ class ZeroEngineConfig(ConfigModel):
     gradient_clipping: NonNegativeFloat = Field(
         0.0, description="Clip the global gradient norm to this value; 0 disables clipping.")
     steps_per_print: PositiveInt = Field(10, description="Log progress every this many optimizer steps.")
-    wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step, and log the "
-                                                          "breakdown every steps_per_print steps.")
+    wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step (synchronising CUDA "
+                                                          "around each), and log their mean per optimizer step "
+                                                          "every steps_per_print steps.")
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch of the dataloader "
                                                           "that initialize() builds from training_data.")
     optimizer: Optional[OptimizerConfig] = Field(None, description="Optimizer to build (see 'optimizer').")
