@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from zeroengine.config import load_config
+from zeroengine.config import ConfigError, load_config
 from zeroengine.monitor import CsvMonitor, TensorBoardMonitor, build_recorder
 from zeroengine.monitor.recorder import output_directory
 
@@ -79,3 +79,11 @@ def test_empty_output_path_is_the_current_directory(tmp_path, monkeypatch):
 def test_writers_create_missing_directories(tmp_path, writer):
     writer(str(tmp_path / "a" / "b")).close()
     assert os.path.isdir(tmp_path / "a" / "b")
+
+
+def test_an_output_path_that_cannot_be_written_is_a_config_error_naming_the_key(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = _cfg(monitor={"csv": {"enabled": True, "output_path": str(blocker)}})
+    with pytest.raises(ConfigError, match="monitor.csv.output_path: cannot write the csv monitor's files under"):
+        build_recorder(cfg.monitor, rank=0)

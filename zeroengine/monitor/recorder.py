@@ -85,10 +85,26 @@ def build_recorder(monitor_config, rank: int) -> StepRecorder | None:
     from .csv_monitor import CsvMonitor
     from .tensorboard import TensorBoardMonitor
 
-    monitors = []
+    monitors, problem = [], None
     if rank == 0:
-        if monitor_config.csv.enabled:
-            monitors.append(CsvMonitor(output_directory(monitor_config.csv)))
-        if monitor_config.tensorboard.enabled:
-            monitors.append(TensorBoardMonitor(output_directory(monitor_config.tensorboard)))
+        for key, section, writer in (("csv", monitor_config.csv, CsvMonitor),
+                                     ("tensorboard", monitor_config.tensorboard, TensorBoardMonitor)):
+            if not section.enabled:
+                continue
+            directory = output_directory(section)
+            try:
+                monitors.append(writer(directory))
+            except OSError as err:
+                problem = (f"monitor.{key}.output_path", f"cannot write the {key} monitor's files under "
+                                                         f"{directory}: {err.strerror or err}")
+                break
+    # Every rank learns of rank 0's failure, so none goes on alone into a collective the others never join.
+    from zeroengine import comm
+    from zeroengine.config import ConfigError
+
+    payload = (problem[0] + "\0" + problem[1] if problem else "").encode()
+    failed = (comm.handshakes.exchange("monitor", payload)[0] if comm.get_world_size() > 1 else payload).decode()
+    if failed:
+        key, _, message = failed.partition("\0")
+        raise ConfigError(key, message)
     return StepRecorder(MonitorMaster(monitors))
