@@ -46,3 +46,9 @@ def test_missing_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys
 def test_missing_csv_is_a_clear_error(tmp_path, capsys):
     assert main([str(tmp_path)]) == 1
     assert "monitor.csv" in capsys.readouterr().err
+
+
+def test_a_csv_of_another_tool_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "metrics.csv").write_text("step,lr\n1,0.001\n")  # e.g. DeepSpeed's Train_Samples_lr.csv
+    assert main([str(tmp_path / "metrics.csv")]) == 1
+    assert "not a zeroengine monitor CSV" in capsys.readouterr().err

@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     if not metrics.get("step"):
         print(f"ze_plot: {path} has no rows yet", file=sys.stderr)
         return 1
+    if "train/loss" not in metrics:
+        print(f"ze_plot: {path} is not a zeroengine monitor CSV (no train/loss column)", file=sys.stderr)
+        return 1
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -92,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     output = args.output or os.path.join(os.path.dirname(os.path.abspath(path)), "metrics.png")
-    plot(metrics, output, title=os.path.basename(os.path.dirname(os.path.abspath(path))))
+    try:
+        plot(metrics, output, title=os.path.basename(os.path.dirname(os.path.abspath(path))))
+    except OSError as err:
+        print(f"ze_plot: cannot write {output}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(f"ze_plot: wrote {output} ({len(metrics['step'])} steps)")
     return 0
 
