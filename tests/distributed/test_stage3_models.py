@@ -262,3 +262,33 @@ def test_fwd_module_is_refused_by_name():
     import pytest
     with pytest.raises(NotImplementedError, match="fwd_module"):
         GatheredParameters([], fwd_module=nn.Linear(1, 1))
+
+
+class WithIdTable(nn.Module):
+    """An integer parameter (an index table, frozen): not partitioned, never cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids = nn.Parameter(torch.tensor([3, 16777217 % V, 1]), requires_grad=False)
+        self.big = nn.Parameter(torch.tensor([16777217]), requires_grad=False)  # not a float32 number
+        self.emb = nn.Embedding(V, D)
+
+    def forward(self, x):
+        return self.emb(x)[:, self.ids].square().mean()
+
+
+def _int_param(rank, world, save_dir):
+    from zeroengine.zero import Init
+    with Init():
+        model = WithIdTable()
+    engine, _, _, _ = zeroengine.initialize(model=model, config=_config(world))
+    engine.backward(engine(torch.randint(V, (2, 4))))
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.load_checkpoint(save_dir, tag="t")
+    return engine.module.ids.dtype, engine.module.big.tolist()
+
+
+def test_integer_parameters_stay_whole_and_exact(tmp_path):
+    for dtype, big in run_distributed(_int_param, 2, str(tmp_path / "run")):
+        assert dtype == torch.int64 and big == [16777217]

@@ -29,8 +29,8 @@ scale drops later than DeepSpeed's::
             scale *= scale_factor
     cur_iter += 1
 
-``delayed_shift`` is the config's ``hysteresis``: how many overflows are
-absorbed before the scale drops. With ``consecutive_hysteresis`` any clean
+``delayed_shift`` is the config's ``hysteresis``: the scale drops at the
+``hysteresis``-th overflow (1: at the first; 2 absorbs one). With ``consecutive_hysteresis`` any clean
 step refills it; without, only a scale increase does. ``last_overflow_iter``
 starts at -1, so the scale first grows on the clean step that follows
 ``scale_window`` clean steps, and again every ``scale_window`` steps after.

@@ -53,7 +53,9 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The averaged, unscaled fp32 gradient; None before the accumulation boundary's reduction."""
+    """The averaged, unscaled fp32 gradient reduced so far. Stage 1 reduces at the accumulation boundary
+    only: None before it. Stages 2 and 3 reduce every micro-step: the sum over the micro-steps so far
+    (zeros before any backward and after a step)."""
     owner, bucket, slot, shape = _trained_entry(param)
     chunk = owner.grad_store.chunk_grads[bucket.index]
     present = comm.all_reduce_scalar(0.0 if chunk is None else 1.0, op=comm.ReduceOp.MIN, group=owner.group)

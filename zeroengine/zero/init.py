@@ -287,6 +287,8 @@ class Init:
     def _on_register(self, module, name, param):
         if param is None or getattr(info_of(param), "init_shard", None) is not None:
             return None  # tied: already partitioned under its first owner
+        if not param.is_floating_point():
+            return None  # an integer table (ids, indices) stays whole, as stage 3 keeps it (stage3.split_params)
         self.state.adopt(param, name)
         return None
 

@@ -35,7 +35,9 @@ class Stage3Params:
 
 def split_params(module: torch.nn.Module, trainable_ids: set[int], persistence_threshold: int):
     """(trainable, frozen) :class:`Stage3Params`: one unit per module owning parameters, in reverse module
-    order (backward order); a shared parameter belongs to the first module met; persistent ones last."""
+    order (backward order); a shared parameter belongs to the first module met; persistent ones last.
+    Non-floating parameters (integer tables: ids, indices) are in neither: they stay whole on every rank in
+    their own dtype, as at stages 0-2 (a buffer in the training dtype would round them, 16777217 to 16777216)."""
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
@@ -43,7 +45,7 @@ def split_params(module: torch.nn.Module, trainable_ids: set[int], persistence_t
     seen = set()
     for unit, m in enumerate(reversed(list(module.modules()))):
         for p in m._parameters.values():
-            if p is None or id(p) in seen:
+            if p is None or id(p) in seen or not p.is_floating_point():
                 continue
             seen.add(id(p))
             persistent = full_shape(p).numel() < persistence_threshold

@@ -26,7 +26,8 @@ class FP16Config(ConfigModel):
     loss_scale_window: PositiveInt = Field(
         1000, description="Steps without overflow after which the dynamic loss scale is doubled.")
     hysteresis: PositiveInt = Field(
-        2, description="Overflows tolerated before the dynamic loss scale is lowered.")
+        2, description="The dynamic loss scale is lowered at this many overflows (1: at the first; the default "
+                       "2 tolerates one).")
     consecutive_hysteresis: bool = Field(
         False, description="Refill the hysteresis budget after every step without overflow, "
                            "so only consecutive overflows lower the scale.")
