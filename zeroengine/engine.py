@@ -191,10 +191,13 @@ class Engine:
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag=None, load_optimizer_states: bool = True,
+    def load_checkpoint(self, load_dir: str, tag=None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         load_module_strict: bool = True):
         """Resume from ``load_dir`` (any world size, any stage). Returns ``(tag_dir, client_state)``.
+
+        Everything after ``tag`` is keyword-only: DeepSpeed's positional order puts ``load_module_strict``
+        third, so a positional call written for it would silently mean other flags here.
 
         ``load_module_strict`` is accepted for DeepSpeed callers (HuggingFace's Trainer passes it);
         loading is always strict (every parameter must be in the checkpoint), so only True is."""

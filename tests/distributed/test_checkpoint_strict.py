@@ -101,3 +101,40 @@ def test_param_group_settings_follow_their_parameters_not_the_group_order(tmp_pa
     run_distributed(save_grouped, world, stage, save_dir)
     decays = run_distributed(load_grouped_in_the_other_order, world, stage, save_dir)[0]
     assert decays == pytest.approx([0.0, 0.3])  # the no-decay group is first now; it kept its 0
+
+
+def _block0_groups(model):
+    first = [p for n, p in model.named_parameters() if n.startswith("blocks.0.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.0.")]
+    return first, rest
+
+
+def save_two_groups(rank, world, stage, save_dir):
+    model = make_model(seed=0)
+    first, rest = _block0_groups(model)
+    engine, _, _, _ = zeroengine.initialize(model=model, model_parameters=[
+        {"params": first, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.2}], config=config(world, stage))
+    train(engine, rank, world, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t")
+    return full_state(engine)
+
+
+def load_with_a_group_frozen(rank, world, stage, load_dir):
+    model = make_model(seed=7)
+    first, rest = _block0_groups(model)
+    for p in first:
+        p.requires_grad_(False)  # the whole first group is frozen now: one group left
+    engine, _, _, _ = zeroengine.initialize(model=model, model_parameters=[{"params": rest, "weight_decay": 0.0}],
+                                            config=config(world, stage))
+    engine.load_checkpoint(load_dir, tag="t")
+    return full_state(engine), [g["weight_decay"] for g in engine.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("world, stage", [(1, 0), (2, 2)])
+def test_a_checkpoint_loads_when_a_saved_param_group_is_frozen_now(tmp_path, world, stage):
+    save_dir = str(tmp_path / "run")
+    saved = run_distributed(save_two_groups, world, stage, save_dir)[0]
+    state, decays = run_distributed(load_with_a_group_frozen, world, stage, save_dir)[0]
+    assert decays == pytest.approx([0.2])  # the remaining group got its own saved settings
+    for name, value in saved.items():  # frozen block 0 included
+        assert torch.equal(state[name], value), name

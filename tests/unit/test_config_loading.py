@@ -274,3 +274,8 @@ def test_a_config_object_changed_after_loading_is_refused_by_key_path():
     cfg.zero_optimization.stage = 2
     with pytest.raises(ConfigError, match="zero_optimization.stage: this config object was changed"):
         load_config(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("value", [None, 0])
+def test_steps_per_print_null_or_zero_means_never_as_deepspeeds_default(value):
+    assert not load_config({"train_batch_size": 4, "steps_per_print": value}).steps_per_print

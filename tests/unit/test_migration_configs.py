@@ -295,3 +295,11 @@ def test_was_step_applied_follows_each_step_call_and_a_step_without_backward_is_
     with pytest.raises(RuntimeError, match="no engine.backward\\(\\) since the last optimizer step"):
         engine.step()  # the boundary, with no gradients: stages 1-3 moved weights with zero gradients
     assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+
+
+def test_load_checkpoint_flags_after_tag_are_keyword_only(tmp_path):
+    # DeepSpeed's positional order (load_dir, tag, load_module_strict, load_optimizer_states, ...) would
+    # silently mean other flags here
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=_config())
+    with pytest.raises(TypeError):
+        engine.load_checkpoint(str(tmp_path), None, True, False)

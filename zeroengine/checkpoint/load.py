@@ -152,9 +152,11 @@ class _Plan:
                                   f"{' ...' if len(missing) > 8 else ''} of this model")
         self.unclaimed = set(saved) - claimed
 
-    def _match_groups(self) -> list[int]:
+    def _match_groups(self) -> list[int | None]:
         """For each saved param group, the index of this optimizer's group that holds the same parameters
-        (the manifest records each parameter's group), so settings follow parameters, not positions."""
+        (the manifest records each parameter's group), so settings follow parameters, not positions. With as
+        many groups as saved, a group none of this rank's pieces tells about goes by position; otherwise a
+        saved group with no parameter here (all frozen now) is None: its settings have nothing to apply to."""
         saved = self.manifest.params
         n_saved = len(self.common["param_groups"])
         now = {id(p): i for i, g in enumerate(self.engine.optimizer.param_groups) for p in g["params"]}
@@ -168,8 +170,10 @@ class _Plan:
                 raise CheckpointError(f"parameter {name!r} was in param group {was} when checkpoint {self.tag_dir} "
                                       f"was saved and is in group {is_now} now, which does not match where the "
                                       "other parameters went: build the same param groups (in any order)")
-        free = [i for i in range(len(self.engine.optimizer.param_groups)) if i not in mapping.values()]
-        return [mapping[i] if i in mapping else (free.pop(0) if free else i) for i in range(n_saved)]
+        n_now = len(self.engine.optimizer.param_groups)
+        free = [i for i in range(n_now) if i not in mapping.values()]
+        return [mapping[i] if i in mapping else (free.pop(0) if free and n_saved == n_now else None)
+                for i in range(n_saved)]
 
     def _check_shape(self, name: str, mine: list, theirs: list) -> None:
         if list(mine) != list(theirs):
@@ -259,13 +263,10 @@ def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler
     engine.micro_steps = counters["micro_steps"]
     engine.skipped_steps = counters["skipped_steps"]
     groups = engine.optimizer.param_groups
-    if optimizer_states:
-        saved = common["param_groups"]
-        if len(saved) != len(groups):
-            raise CheckpointError(f"the checkpoint has {len(saved)} optimizer param groups, this optimizer "
-                                  f"{len(groups)}")
-        for index, values in zip(group_order, saved):
-            groups[index].update(values)
+    if optimizer_states:  # (group_order was checked before anything was written: _Plan._match_groups)
+        for index, values in zip(group_order, common["param_groups"]):
+            if index is not None:
+                groups[index].update(values)
     scaler = engine.optimizer.loss_scaler
     if scaler is not None and common["loss_scaler"] is not None:
         scaler.load_state_dict(common["loss_scaler"])

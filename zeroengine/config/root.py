@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .base import ConfigModel, NonNegativeFloat, PositiveFloat, PositiveInt, rule_error
+from .base import ConfigModel, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, rule_error
 from .errors import ConfigError
 from .sections.activation_checkpointing import ActivationCheckpointingConfig
 from .sections.checkpoint import CheckpointConfig
@@ -37,7 +37,8 @@ class ZeroEngineConfig(ConfigModel):
         None, description="Micro-batches accumulated per optimizer step." + _BATCH)
     gradient_clipping: NonNegativeFloat = Field(
         0.0, description="Clip the global gradient norm to this value; 0 disables clipping.")
-    steps_per_print: PositiveInt = Field(10, description="Log progress every this many optimizer steps.")
+    steps_per_print: Optional[NonNegativeInt] = Field(
+        10, description="Log progress every this many optimizer steps; null or 0: never (DeepSpeed's default).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step (synchronising CUDA "
                                                           "around each), and log their mean per optimizer step "
                                                           "every steps_per_print steps.")
