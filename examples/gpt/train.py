@@ -24,7 +24,8 @@ from model import GPT, GPTConfig, SyntheticTokens  # noqa: E402
 
 def parse_args():
     parser = argparse.ArgumentParser(description="zeroengine example: a small GPT on synthetic tokens")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
+    parser.add_argument("--steps", type=int, default=60,
+                        help="train until this many optimizer steps in all (with --resume: counting the resumed ones)")
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=128)
     parser.add_argument("--n_head", type=int, default=4)
@@ -71,6 +72,12 @@ def main():
             epoch = client_state["epoch"]
             if rank0:
                 print(f"resumed from {path} at step {engine.global_steps}", flush=True)
+    if engine.global_steps >= args.steps:
+        if rank0:
+            print(f"nothing to do: already at step {engine.global_steps}; pass --steps N with N > "
+                  f"{engine.global_steps} to train further", flush=True)
+        zeroengine.comm.shutdown()
+        return
 
     engine.train()
     losses, start, first_step = [], time.perf_counter(), engine.global_steps

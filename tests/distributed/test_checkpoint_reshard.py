@@ -124,8 +124,13 @@ def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
     # DeepSpeed's converter takes an output directory (and writes pytorch_model.bin there) and more keywords
     from zeroengine.checkpoint import convert_zero_checkpoint_to_fp32_state_dict
     (tmp_path / "hf").mkdir()
-    written = convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "hf"), None, False,
-                                                         safe_serialization=False, max_shard_size="5GB")
+    written = convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "hf"), tag=None,
+                                                         exclude_frozen_parameters=False, safe_serialization=False,
+                                                         max_shard_size="5GB")
+    with pytest.raises(TypeError):  # DeepSpeed's positional order (its third is max_shard_size) is refused
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "hf"), "5GB")
+    assert set(get_fp32_state_dict_from_zero_checkpoint(save_dir, exclude_frozen_parameters=False,
+                                                        lazy_mode=False)) == set(saved)
     assert written == str(tmp_path / "hf" / "pytorch_model.bin")
     assert set(torch.load(written, weights_only=True)) == set(saved)
     with pytest.raises(CheckpointError, match="safe_serialization=True is not supported"):

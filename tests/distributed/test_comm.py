@@ -110,3 +110,16 @@ def test_a_handshake_gather_reaches_rank0_only_and_leaves_nothing_in_the_store()
     (rank0, keys0), (rank1, keys1) = run_distributed(_gathers_to_rank0, 2)
     assert rank0 == [[f"table of 0:{i}", f"table of 1:{i}"] for i in range(4)] and rank1 == [None] * 4
     assert keys0 == keys1 == []  # rank 0 deleted what it read
+
+
+def _list_forms(rank, world):
+    import pytest
+    with pytest.raises(TypeError, match="one flat tensor"):
+        comm.all_gather([torch.empty(2) for _ in range(world)], torch.ones(2))
+    with pytest.raises(TypeError, match="one flat tensor"):
+        comm.reduce_scatter(torch.empty(2), [torch.ones(2) for _ in range(world)])
+    return comm.get_rank(group=None)
+
+
+def test_list_forms_of_collectives_get_a_type_error_that_says_what_to_pass():
+    assert run_distributed(_list_forms, 2) == [0, 1]

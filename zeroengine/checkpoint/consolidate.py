@@ -21,12 +21,17 @@ from .files import CheckpointError, load_tensors, save_tensors
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False, lazy_mode: bool = False, *,
                                              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The full model state_dict: parameters from their fp32 master values (cast to ``dtype``), buffers as saved.
 
     ``checkpoint_dir`` is the ``save_dir`` given to ``save_checkpoint`` (the tag comes from ``latest`` unless
-    given) or a tag directory itself.
+    given) or a tag directory itself. DeepSpeed's ``exclude_frozen_parameters`` is only False (every parameter
+    and buffer is returned) and ``lazy_mode`` has no effect (values are loaded at once).
     """
+    if exclude_frozen_parameters:
+        raise CheckpointError("exclude_frozen_parameters=True is not supported: the consolidated state_dict "
+                              "holds every parameter and buffer (drop keys from it yourself)")
     manifest = mf.Manifest.read(_tag_dir(checkpoint_dir, tag))
     files: dict[str, dict] = {}
 
@@ -78,25 +83,22 @@ def output_path(output: str) -> str:
     return output
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, tag: str | None = None,
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file: str, *, tag: str | None = None,
                                                exclude_frozen_parameters: bool = False,
-                                               safe_serialization: bool = False, max_shard_size="5GB", *,
+                                               safe_serialization: bool = False, max_shard_size="5GB",
                                                dtype: torch.dtype = torch.float32) -> str:
     """Write :func:`get_fp32_state_dict_from_zero_checkpoint`'s result to ``output_file`` (atomically) and
     return the path written (``output_file/pytorch_model.bin`` for a directory, as DeepSpeed's).
 
-    DeepSpeed's later arguments, in its order: ``exclude_frozen_parameters`` only False (frozen parameters
-    are written), ``safe_serialization`` only False (torch.save format), ``max_shard_size`` accepted with no
-    effect (one file is written, whatever its size).
+    Keyword-only after the output (DeepSpeed's positional order differs: its third is ``max_shard_size``):
+    ``exclude_frozen_parameters`` only False (frozen parameters are written), ``safe_serialization`` only
+    False (torch.save format), ``max_shard_size`` accepted with no effect (one file, whatever its size).
     """
-    if exclude_frozen_parameters:
-        raise CheckpointError("exclude_frozen_parameters=True is not supported: the consolidated state_dict "
-                              "holds every parameter and buffer (drop keys from it yourself)")
     if safe_serialization:
         raise CheckpointError("safe_serialization=True is not supported: the output is one torch.save file "
                               "(load it with torch.load, weights_only=True)")
     path = output_path(output_file)
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, dtype)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters, dtype=dtype)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         save_tensors(state, path)
@@ -110,7 +112,7 @@ def convert_zero_checkpoint_to_16bit_state_dict(checkpoint_dir: str, output_file
     """The same, for inference in 16 bits (floating tensors cast to ``dtype``)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    return convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag, dtype=dtype)
+    return convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=tag, dtype=dtype)
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None):
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
-        written = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag,
+        written = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag,
                                                              dtype=dtype)
     except CheckpointError as err:
         print(f"ze_to_fp32: {err}", file=sys.stderr)

@@ -112,8 +112,9 @@ def sequence_check_active() -> bool:
     return state.checker is not None
 
 
-def get_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def get_rank(group=None) -> int:
+    """This process's rank in the world, or within ``group`` (DeepSpeed's ``get_rank(group=...)``)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def get_rank_in(group=None) -> int:

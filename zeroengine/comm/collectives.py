@@ -103,8 +103,18 @@ class _AfterWait:
         return self._done
 
 
+def _flat(name: str, **tensors) -> None:
+    """DeepSpeed's (and torch.distributed's) list forms take a list of tensors: say what these take."""
+    for arg, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"zeroengine.comm.{name}: {arg} must be one flat tensor (the form of torch's "
+                            f"{name}_into_tensor / reduce_scatter_tensor), got {type(value).__name__}; for a "
+                            "list of tensors, torch.cat them or use torch.distributed directly")
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Flat reduce-scatter: ``input`` holds world_size equal chunks, ``output`` one chunk."""
+    _flat("reduce_scatter", output=output, input=input)
     _before("reduce_scatter", input, group, _nbytes(input))
     if op != ReduceOp.SUM or not _use_all_to_all(group):
         return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
@@ -121,6 +131,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Flat all-gather: ``output`` receives world_size copies of ``input``'s size, in rank order."""
+    _flat("all_gather", output=output, input=input)
     _before("all_gather", input, group, _nbytes(output))
     if not _use_all_to_all(group):
         return _all_gather_flat(output, input, group=group, async_op=async_op)
