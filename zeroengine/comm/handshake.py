@@ -41,66 +41,66 @@ class Handshakes:
 
     def exchange(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
         """Post ``payload`` and return every rank's, in rank order (the whole world takes part)."""
-        seq = self._count.get(name, 0)
-        self._count[name] = seq + 1
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if world == 1:
+        store, keys, seq = self._post(name, payload)
+        if store is None:
             return [payload]
-        store = _store()
-        prefix = f"ze_hs/{name}/{seq}"
-        store.set(f"{prefix}/{rank}", payload)
-        keys = [f"{prefix}/{r}" for r in range(world)]
-        timeout = default_timeout_s() if timeout_s is None else timeout_s
-        try:
-            store.wait(keys, timedelta(seconds=timeout))
-            payloads = [store.get(k) for k in keys]
-        except dist.DistNetworkError:
-            raise HandshakeTimeout(f"rank {rank} lost the connection to the store (hosted by rank 0) during "
-                                   f"'{name}': rank 0 has died", [0]) from None
-        except Exception:  # the store raises a plain RuntimeError/DistStoreError on timeout
-            missing = [r for r in range(world) if not store.check([keys[r]])]
-            raise HandshakeTimeout(
-                f"rank {rank} waited {timeout:.0f}s for '{name}' but rank(s) {missing} never called it", missing
-            ) from None
+        rank = dist.get_rank()
+        payloads = self._wait_and_read(store, keys, name, timeout_s)
         if seq:
             # Every rank has posted this round, so every rank has read the previous one: its key can go,
             # and the store (hosted by rank 0) keeps one round per operation instead of all of them.
-            try:
-                store.delete_key(f"ze_hs/{name}/{seq - 1}/{rank}")
-            except (RuntimeError, NotImplementedError):
-                pass  # a store without delete: only memory is at stake
+            _delete(store, [f"ze_hs/{name}/{seq - 1}/{rank}"])
         return payloads
-
 
     def gather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes] | None:
         """Post ``payload``; rank 0 gets every rank's, in rank order (others get None at once and do not
         wait). For payloads only rank 0 needs (a save's file tables): every rank downloading every rank's
         would grow with the square of the world size."""
+        store, keys, _ = self._post(name, payload)
+        if store is None:
+            return [payload]
+        if dist.get_rank() != 0:
+            return None
+        payloads = self._wait_and_read(store, keys, name, timeout_s)
+        _delete(store, keys)  # rank 0 is the only reader
+        return payloads
+
+    def _post(self, name: str, payload: bytes):
+        """Number this call of ``name`` and post ``payload``; ``(store, every rank's key, number)``, with no
+        store in a world of one."""
         seq = self._count.get(name, 0)
         self._count[name] = seq + 1
         rank, world = dist.get_rank(), dist.get_world_size()
         if world == 1:
-            return [payload]
+            return None, [], seq
         store = _store()
         prefix = f"ze_hs/{name}/{seq}"
         store.set(f"{prefix}/{rank}", payload)
-        if rank != 0:
-            return None
-        keys = [f"{prefix}/{r}" for r in range(world)]
+        return store, [f"{prefix}/{r}" for r in range(world)], seq
+
+    @staticmethod
+    def _wait_and_read(store, keys: list[str], name: str, timeout_s: float | None) -> list[bytes]:
+        rank = dist.get_rank()
         timeout = default_timeout_s() if timeout_s is None else timeout_s
         try:
             store.wait(keys, timedelta(seconds=timeout))
-        except Exception:  # noqa: BLE001 - the store's timeout error
-            missing = [r for r in range(world) if not store.check([keys[r]])]
-            raise HandshakeTimeout(f"rank 0 waited {timeout:.0f}s for '{name}' but rank(s) {missing} never "
-                                   "called it", missing) from None
-        payloads = [store.get(k) for k in keys]
-        for k in keys:  # rank 0 is the only reader
-            try:
-                store.delete_key(k)
-            except (RuntimeError, NotImplementedError):
-                pass
-        return payloads
+            return [store.get(k) for k in keys]
+        except dist.DistNetworkError:
+            raise HandshakeTimeout(f"rank {rank} lost the connection to the store (hosted by rank 0) during "
+                                   f"'{name}': rank 0 has died", [0]) from None
+        except Exception:  # the store raises a plain RuntimeError/DistStoreError on timeout
+            missing = [r for r in range(len(keys)) if not store.check([keys[r]])]
+            raise HandshakeTimeout(
+                f"rank {rank} waited {timeout:.0f}s for '{name}' but rank(s) {missing} never called it", missing
+            ) from None
+
+
+def _delete(store, keys: list[str]) -> None:
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except (RuntimeError, NotImplementedError):
+            pass  # a store without delete: only memory is at stake
 
 
 def _store():
