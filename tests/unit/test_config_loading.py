@@ -279,3 +279,9 @@ def test_a_config_object_changed_after_loading_is_refused_by_key_path():
 @pytest.mark.parametrize("value", [None, 0])
 def test_steps_per_print_null_or_zero_means_never_as_deepspeeds_default(value):
     assert not load_config({"train_batch_size": 4, "steps_per_print": value}).steps_per_print
+
+
+def test_top_level_csv_monitor_next_to_a_null_monitor_section_loads():
+    cfg = load_config({"train_batch_size": 4, "monitor": None,
+                       "csv_monitor": {"enabled": True, "output_path": "logs/", "job_name": "j"}})
+    assert cfg.monitor.csv.enabled and cfg.monitor.csv.job_name == "j"

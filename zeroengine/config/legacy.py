@@ -54,7 +54,9 @@ def apply_legacy_keys(data: Dict[str, Any]) -> None:
     """Rewrite old spellings in ``data`` (the raw top-level dict) in place."""
     _move(data, "", "bfloat16", data, "bf16")
     if "csv_monitor" in data or "tensorboard" in data:
-        monitor = data.setdefault("monitor", {})
+        if data.get("monitor") is None:  # absent, or null: the top-level spellings fill it
+            data["monitor"] = {}
+        monitor = data["monitor"]
         if isinstance(monitor, dict):
             _move(data, "", "csv_monitor", monitor, "csv", new_path="monitor.csv")
             _move(data, "", "tensorboard", monitor, "tensorboard", new_path="monitor.tensorboard")
