@@ -10,18 +10,17 @@ from .files import CheckpointError
 
 def exchange(name: str, payload, advice: str = "") -> list:
     """Every rank's ``payload`` (JSON-able), in rank order; a rank that never arrives is named, not waited for."""
-    try:
-        raw = comm.handshakes.exchange(name, json.dumps(payload).encode())
-    except comm.HandshakeTimeout as err:
-        raise CheckpointError(f"{name.split('/')[0]} is collective: every rank must call it, but rank(s) "
-                              f"{err.missing} did not reach it in time ({err}){advice}") from None
-    return [json.loads(r) for r in raw]
+    return _agreed(comm.handshakes.exchange, name, payload, advice)
 
 
 def gather_to_rank0(name: str, payload, advice: str = "") -> list | None:
     """Every rank's ``payload`` on rank 0 (None elsewhere; see ``Handshakes.gather``)."""
+    return _agreed(comm.handshakes.gather, name, payload, advice)
+
+
+def _agreed(handshake, name: str, payload, advice: str) -> list | None:
     try:
-        raw = comm.handshakes.gather(name, json.dumps(payload).encode())
+        raw = handshake(name, json.dumps(payload).encode())
     except comm.HandshakeTimeout as err:
         raise CheckpointError(f"{name.split('/')[0]} is collective: every rank must call it, but rank(s) "
                               f"{err.missing} did not reach it in time ({err}){advice}") from None

@@ -96,7 +96,8 @@ class _Plan:
                 self.files[file] = load_tensors(self.manifest.verify_file(file))
         self.module_values = dict(self.common["module_extras"])
         for name, (place, numel) in self.from_shards.items():
-            self.module_values[name] = self._assemble(place, numel).view(full_shape(self.module_state[name]))
+            self.module_values[name] = self._assemble(place.name, place.offset, place.offset + numel).view(
+                full_shape(self.module_state[name]))
 
     def _stored(self, piece) -> tuple[str, int, int]:
         """(stored name, start, end) of a piece's elements in the checkpoint."""
@@ -180,11 +181,10 @@ class _Plan:
             raise CheckpointError(f"parameter {name!r} has shape {list(mine)} in this model but "
                                   f"{list(theirs)} in checkpoint {self.tag_dir}")
 
-    def _assemble(self, place, numel: int) -> torch.Tensor:
-        """Elements [offset, offset + numel) of a stored parameter, from every file that holds some."""
-        out = torch.empty(numel, dtype=torch.float32)
-        start, end = place.offset, place.offset + numel
-        for e in self.manifest.entries_overlapping(place.name, start, end):
+    def _assemble(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the stored parameter ``name``, from every file that holds some."""
+        out = torch.empty(end - start, dtype=torch.float32)
+        for e in self.manifest.entries_overlapping(name, start, end):
             lo, hi = max(start, e.start), min(end, e.end)
             out[lo - start:hi - start] = self.files[e.file]["entries"][e.index]["value"][lo - e.start:hi - e.start]
         return out
@@ -201,13 +201,12 @@ class _Plan:
                 continue
             name, start, end = self._stored(piece)
             entries = self.manifest.entries_overlapping(name, start, end)
-            value = torch.empty(end - start, dtype=torch.float32)
+            value = self._assemble(name, start, end)
             moments: dict[str, torch.Tensor] = {}
             scalars: dict = {}
             for e in entries:
                 src = self.files[e.file]["entries"][e.index]
                 lo, hi = max(start, e.start), min(end, e.end)
-                value[lo - start:hi - start] = src["value"][lo - e.start:hi - e.start]
                 for key, v in src["state"].items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         dst = moments.setdefault(key, torch.empty(end - start, dtype=v.dtype))

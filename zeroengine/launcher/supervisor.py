@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import select
 import signal
-import re
 import subprocess
 import sys
 import threading

@@ -124,7 +124,7 @@ class OpBuilder:
         build_dir = self.build_dir()
         built = _read_marker(build_dir) is not None
         failure = _failures.get(self.name)  # why loading failed in this process
-        if failure is None and compatible and not built:  # or why the last build of these sources failed
+        if failure is None and not built:  # or why the last build of these sources failed
             saved = read_json(build_dir / _FAILURE)
             failure = None if saved is None else f"last build failed: {saved['reason']}"
         return {

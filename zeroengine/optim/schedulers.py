@@ -87,8 +87,8 @@ class WarmupCosineLR(Schedule):
         after:          p = min(1, (i - N + 1) / max(1, total - N))
                         ratio = max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2)
 
-    Before the first step the lr is 0 (the peak when ``warmup_num_steps`` is 0: no warmup). ``p`` is clamped so the lr stays at the
-    floor past ``total_num_steps`` (as current DeepSpeed does).
+    Before the first step the lr is 0 (the peak when ``warmup_num_steps`` is 0: no warmup). ``p`` is
+    clamped so the lr stays at the floor past ``total_num_steps`` (as current DeepSpeed does).
     """
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,

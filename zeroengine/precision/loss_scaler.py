@@ -30,9 +30,10 @@ scale drops later than DeepSpeed's::
     cur_iter += 1
 
 ``delayed_shift`` is the config's ``hysteresis``: the scale drops at the
-``hysteresis``-th overflow (1: at the first; 2 absorbs one). With ``consecutive_hysteresis`` any clean
-step refills it; without, only a scale increase does. ``last_overflow_iter``
-starts at -1, so the scale first grows on the clean step that follows
+``hysteresis``-th overflow (1: at the first; 2 absorbs one). With
+``consecutive_hysteresis`` any clean step refills it; without, only a scale
+increase does. ``last_overflow_iter`` starts at -1, so the scale first grows
+on the clean step that follows
 ``scale_window`` clean steps, and again every ``scale_window`` steps after.
 This is DeepSpeed 0.19.8's rule (the version the benchmarks compare with);
 older releases tested ``(cur_iter - last_overflow_iter) % scale_window == 0``

@@ -91,8 +91,9 @@ class OneCycleParams(ConfigModel):
     cycle_second_stair_count: Optional[NonNegativeInt] = Field(
         None, description="Stairs in the falling half (null: same as cycle_first_stair_count).")
     decay_step_size: NonNegativeInt = Field(0, description="Steps between decays after the cycle.")
-    cycle_momentum: bool = Field(True, description="Cycle Adam's beta1 inversely to the lr (beta2 set to 0.99, as in DeepSpeed); an "
-                                 "optimizer without betas, such as SGD, keeps its own momentum (a warning says so).")
+    cycle_momentum: bool = Field(True, description="Cycle Adam's beta1 inversely to the lr (beta2 set to 0.99, "
+                                                   "as in DeepSpeed); an optimizer without betas, such as SGD, "
+                                                   "keeps its own momentum (a warning says so).")
     cycle_min_mom: PerGroup = Field(0.8, description="Lowest momentum of the cycle.")
     cycle_max_mom: PerGroup = Field(0.9, description="Highest momentum of the cycle.")
     decay_mom_rate: NonNegativeFloat = Field(0.0, description="Momentum decay rate after the cycle.")

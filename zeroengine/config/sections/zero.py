@@ -75,22 +75,15 @@ class ZeroConfig(ConfigModel):
             raise ValueError(f"must be 0, 1, 2 or 3, got {value}")
         return value
 
-    @field_validator("load_from_fp32_weights", "ignore_unused_parameters", mode="after")
+    @field_validator("allgather_partitions", "load_from_fp32_weights", "ignore_unused_parameters", mode="after")
     @classmethod
     def _only_true(cls, value: bool, info) -> bool:
         if not value:
-            what = {"load_from_fp32_weights": "checkpoints always restore the saved fp32 master weights",
+            what = {"allgather_partitions": "zeroengine always all-gathers the updated partitions after the step",
+                    "load_from_fp32_weights": "checkpoints always restore the saved fp32 master weights",
                     "ignore_unused_parameters": "a parameter that gets no gradient in a step gets a zero "
                                                 "gradient, never an error"}[info.field_name]
             raise ValueError(f"false is not supported: {what}; remove the key")
-        return value
-
-    @field_validator("allgather_partitions", mode="after")
-    @classmethod
-    def _allgather_partitions(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError("false is not supported: zeroengine always all-gathers the updated "
-                             "partitions after the step; remove the key")
         return value
 
     @field_validator("offload_optimizer", "offload_param", mode="after")
