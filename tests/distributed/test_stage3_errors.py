@@ -119,11 +119,37 @@ def test_a_module_skipped_on_one_rank_is_named_by_every_rank_without_comm_debug(
     skipper = world - 1
     messages = run_distributed(_diverge_plain, world, skipper, timeout_s=120)
     for rank, message in enumerate(messages):
-        assert message.startswith(f"rank {rank}: ranks diverged at stage-3 parameter gather"), message
+        assert message.startswith(f"rank {rank}: ranks diverged at stage-3 check"), message
         for other in range(world):
-            expected = "module out (forward)" if other == skipper else "module sometimes (forward)"
+            expected = "module out (forward), needing bucket" if other == skipper else \
+                "module sometimes (forward), needing bucket"
             line = message.split(f"\n  rank {other}: ")[1].split("\n")[0]
-            assert line.startswith("bucket") and expected in line, (other, line)
+            assert line.startswith(expected), (other, line)
+
+
+def _diverge_after_the_trace(rank, world, skip_step):
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=base_config(2, 1, world, 0.0, stage=3))
+    start = time.monotonic()
+    for step in range(skip_step + 1):
+        try:
+            loss = engine(torch.randn(2, 8), skip=rank == 1 and step == skip_step)
+            engine.backward(loss)
+            engine.step()
+        except Stage3DivergenceError as exc:
+            return step, str(exc), time.monotonic() - start
+    return step, "", time.monotonic() - start
+
+
+def test_a_module_skipped_once_the_prefetch_order_is_recorded_is_named_at_once():
+    # From the second step on, prefetch gathers ahead along the recorded order: the skipping rank's next
+    # module was already fetched, so it gathers nothing there. The ranks' fetch events are still checked,
+    # so the divergence is named at the module, not after the deadline at some later gather.
+    messages = run_distributed(_diverge_after_the_trace, 2, 2, timeout_s=120)
+    for rank, (step, message, seconds) in enumerate(messages):
+        assert step == 2 and message.startswith(f"rank {rank}: ranks diverged at stage-3 check"), (step, message)
+        assert "rank 0: module sometimes (forward)" in message and "rank 1: module out (forward)" in message
+        assert seconds < 60, seconds
 
 
 class StopsEarly(nn.Module):
@@ -155,7 +181,7 @@ def _stop_early(rank, world):
 def test_a_rank_running_other_collectives_is_reported_within_the_deadline_not_hung():
     name, message, seconds = run_distributed(_stop_early, 2, timeout_s=120)[0]
     assert name == "Stage3DivergenceError", (name, message)
-    assert "gather #" in message and "module out (forward)" in message and "was not joined by every rank" in message
+    assert "check #" in message and "module out (forward)" in message and "was not joined by every rank" in message
     assert seconds < 60, seconds
 
 

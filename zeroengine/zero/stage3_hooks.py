@@ -137,6 +137,16 @@ class Stage3Hooks:
 
     # -- fetching --------------------------------------------------------------------
     def _need(self, event: FetchEvent) -> None:
+        check = self.units[event.units[0]].buffer.order_check
+        if check is None:
+            self._fetch(event)
+            return
+        first = self.units[event.units[0]]
+        with check.event(event.module, event.phase, (first.buffer.order_tag, first.bucket.index), event.units):
+            self._fetch(event)
+
+    def _fetch(self, event: FetchEvent) -> None:
+        """Gather what ``event`` needs and, on the trace, prefetch what comes after it."""
         was_replaying = self.trace.replaying
         on_trace = self.trace.observe(event)
         if was_replaying and not on_trace:
