@@ -55,8 +55,9 @@ class GatheredParameters:
         if fwd_module is not None:
             # DeepSpeed registers the parameters as external ones of fwd_module (gathered whenever it runs);
             # here they would be released on exit while autograd still holds them for backward.
-            raise NotImplementedError("GatheredParameters(fwd_module=...) is not supported: zeroengine has no "
-                                      "external parameters; use a parameter through the module that owns it")
+            raise NotImplementedError("GatheredParameters(fwd_module=...) is not supported: register the "
+                                      "parameters once with zeroengine.zero.register_external_parameter(fwd_module, "
+                                      "param), and fwd_module's forward and backward fetch them")
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = list(params) if isinstance(params, Iterable) else [params]

@@ -140,8 +140,9 @@ def _message(p, op: str) -> str:
     return (f"parameter {info.name!r} (shape {tuple(info.shape)}) is partitioned across ranks by ZeRO stage 3 "
             f"and holds no values here, so '{op}' cannot run on it. Its values are gathered only while the "
             f"module that owns it runs forward or backward: outside the engine's forward/backward, or inside "
-            f"it from another module (e.g. F.linear(x, self.emb.weight) in a parent: use the parameter "
-            f"through its own module; DeepSpeed's register_external_parameter is not supported). To read or "
+            f"it from another module (e.g. F.linear(x, self.emb.weight) in a parent: register it with "
+            f"zeroengine.zero.register_external_parameter(parent, param), or use it through its own module). "
+            f"To read or "
             f"edit it outside training, wrap the code in `with zeroengine.zero.GatheredParameters([param], "
             f"modifier_rank=...)` (collective: every rank enters it), or use "
             f"zeroengine.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value).")

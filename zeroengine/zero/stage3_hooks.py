@@ -30,6 +30,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
+from .external import _LISTENERS, external_parameters
 from .layout import Bucket
 from .partitioned_params import PartitionedParamBuffer
 from .prefetch import ExecutionTrace, FetchEvent, TraceState
@@ -78,6 +79,10 @@ class Stage3Hooks:
         self.prefetched: set[int] = set()  # fetched ahead, not yet asked for
         self.kept: set[int] = set()  # kept gathered after use (reuse distance)
         self.handles = [module.register_forward_pre_hook(self._begin_pass)]
+        self._unit_of_param = unit_of_param
+        self._name_of = {id(m): name for name, m in module.named_modules()}  # this model's modules
+        self._hooked: set[int] = set()
+        self._active: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # units fetched per running call
         owned_by: dict[str, set[int]] = defaultdict(set)
         runs = {}
         for name, m in module.named_modules():
@@ -91,12 +96,28 @@ class Stage3Hooks:
                                if p is not None and id(p) in unit_of_param}
         for name, m in module.named_modules():
             owned = tuple(sorted(u for u in owned_by.get(name, ()) if not units[u].persistent))
-            if not owned:
-                continue
-            label = name or type(m).__name__
-            frozen = tuple(u for u in owned if not units[u].trainable)
-            self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned, frozen)))
-            self.handles.append(m.register_forward_hook(self._post_forward(label, owned)))
+            if owned or external_parameters(m):
+                self._attach(m, name, owned)
+        _LISTENERS.add(self)
+
+    def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
+        label = name or type(m).__name__
+        self._hooked.add(id(m))
+        self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned)))
+        self.handles.append(m.register_forward_hook(self._post_forward(label)))
+
+    def external_registered(self, m: torch.nn.Module) -> None:
+        """``register_external_parameter`` was called for ``m`` after this object was built."""
+        if id(m) in self._name_of and id(m) not in self._hooked:
+            self._attach(m, self._name_of[id(m)], ())
+
+    def _units_of(self, m: torch.nn.Module, owned: tuple[int, ...]) -> tuple[int, ...]:
+        """The units ``m`` needs: its own and its registered external parameters' (persistent ones excepted)."""
+        external = external_parameters(m)
+        if not external:
+            return owned
+        extra = {self._unit_of_param[id(p)] for p in external if id(p) in self._unit_of_param}
+        return tuple(sorted(set(owned) | {u for u in extra if not self.units[u].persistent}))
 
     # -- hooks ---------------------------------------------------------------------
     def _begin_pass(self, _module, _args) -> None:
@@ -104,11 +125,16 @@ class Stage3Hooks:
             self.end_pass()  # a forward with no backward after it
         self.trace.begin_pass(torch.is_grad_enabled())
 
-    def _pre_forward(self, label: str, units: tuple[int, ...], frozen: tuple[int, ...]):
-        def hook(_module, args):
+    def _pre_forward(self, label: str, owned: tuple[int, ...]):
+        def hook(module, args):
+            units = self._units_of(module, owned)
+            self._active[id(module)].append(units)
+            if not units:
+                return
             self._need(FetchEvent(label, "forward", units))
             for u in units:
                 self.in_use[u] += 1
+            frozen = tuple(u for u in units if not self.units[u].trainable)
             if frozen and torch.is_grad_enabled():
                 inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if inputs:  # the module's backward is over once its input gradients exist
@@ -116,8 +142,12 @@ class Stage3Hooks:
 
         return hook
 
-    def _post_forward(self, label: str, units: tuple[int, ...]):
-        def hook(_module, _args, output):
+    def _post_forward(self, label: str):
+        def hook(module, _args, output):
+            stack = self._active[id(module)]
+            units = stack.pop() if stack else ()
+            if not units:
+                return
             returned = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
             for u in units:
                 unit = self.units[u]
