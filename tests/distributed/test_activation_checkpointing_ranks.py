@@ -140,3 +140,68 @@ def test_partitioned_saved_inputs_are_one_slice_per_rank_and_gradients_still_mat
         assert torch.equal(kept, flat[rank * size:(rank + 1) * size])
         assert partitions == world
     assert not torch.equal(outcomes[0][1], outcomes[1][1])
+
+
+# -- a segment that reads its module's parameter directly, which is also used after the segment ------------
+
+class _LayerScale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.full((4,), 0.5))
+
+    def _segment(self, h):
+        return torch.tanh(h * self.scale)  # no submodule call: no hook gathers `scale` in the recompute
+
+    def forward(self, x, y, ckpt: str):
+        h = self.inp(x)
+        if ckpt == "zeroengine":
+            h = checkpointing.checkpoint(self._segment, h)
+        elif ckpt == "torch":
+            h = torch.utils.checkpoint.checkpoint(self._segment, h, use_reentrant=True)
+        else:
+            h = self._segment(h)
+        # Used again after the segment: in backward this use completes `scale`'s gradient bucket first
+        # (stage 3 then releases it), and the segment's recompute comes after.
+        return torch.nn.functional.mse_loss(h * self.scale, y)
+
+
+def _layer_scale_run(rank, world, ckpt: str, stage: int):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeroengine.initialize(model=_LayerScale(), config=cfg)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        x, y = torch.randn(2 * world, 4, generator=g), torch.randn(2 * world, 4, generator=g)
+        engine.backward(engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2], ckpt))
+        engine.step()
+    held = engine.memory_breakdown()["params"]
+    expected_held = engine.optimizer.layout.shard_numel * 4 if stage == 3 else held
+    values = {n: safe_get_full_fp32_param(p) if stage else p.detach().clone()
+              for n, p in engine.module.named_parameters()}
+    return values, held == expected_held
+
+
+def test_stage3_recompute_holds_the_enclosing_modules_parameters_a_segment_uses_directly():
+    want, _ = run_distributed(_layer_scale_run, 2, "none", 0)[0]
+    for got, released in run_distributed(_layer_scale_run, 2, "zeroengine", 3):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert released  # nothing stays gathered after the steps
+
+
+def _torch_reentrant(rank, world):
+    try:
+        _layer_scale_run(rank, world, "torch", 3)
+    except zeroengine.zero.PartitionedParameterError as exc:
+        return str(exc)
+    return ""
+
+
+def test_torch_reentrant_recompute_of_a_direct_use_names_the_cause():
+    # torch's reentrant checkpoint cannot be told what to hold: the error says what happened and what to use
+    for message in run_distributed(_torch_reentrant, 2):
+        assert "'scale'" in message and "during backward" in message, message
+        assert "zeroengine.checkpointing.checkpoint" in message and "use_reentrant=False" in message, message

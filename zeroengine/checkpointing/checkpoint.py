@@ -25,7 +25,13 @@ pre-hooks gather the parameters again and their post-hooks release them; the
 gradient hooks registered by that recomputed forward re-gather them for the
 inner backward. :func:`is_recomputing` tells such hooks that a forward is a
 recompute (a prefetcher that records the forward's module order must not
-record it twice).
+record it twice). A segment may also use the parameters of the module it is
+called from directly (``checkpoint(lambda h: h * self.scale, h)`` inside
+``forward``); those are gathered by no hook in the recompute, and by then
+their module's gradient may be complete and its parameters released. So
+each :func:`register_recompute_context` provider is asked at the segment's
+forward what to hold, and that is held around the recompute and the inner
+backward (stage 3 re-gathers the enclosing modules' parameters).
 """
 from __future__ import annotations
 
@@ -57,6 +63,16 @@ def _recomputing():
         yield
     finally:
         _state.depth -= 1
+
+
+# Providers called at each segment's forward; each returns None or a context manager to enter around that
+# segment's recompute and inner backward.
+_recompute_contexts: list[Callable[[], contextlib.AbstractContextManager | None]] = []
+
+
+def register_recompute_context(provider: Callable[[], contextlib.AbstractContextManager | None]) -> None:
+    """Call ``provider()`` at every checkpointed segment's forward (see the module docstring)."""
+    _recompute_contexts.append(provider)
 
 
 def _autocast_state() -> list[tuple[str, torch.dtype]]:
@@ -111,6 +127,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.segment = segment
         ctx.rng = RNGState.capture(tensors)
         ctx.autocast = _autocast_state()
+        ctx.held = [c for c in (provider() for provider in _recompute_contexts) if c is not None]
         with _profile.timed(segment.name, "forward", settings.profile, settings.synchronize_checkpoint_boundary):
             outputs = segment.call(tensors)
         out_tensors = segment.remember_outputs(outputs)
@@ -135,13 +152,17 @@ class CheckpointFunction(torch.autograd.Function):
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         else:
             inputs = [s.restore() for s in ctx.saved_inputs]
-        with replay(ctx.rng), _autocast(ctx.autocast), torch.enable_grad(), _recomputing(), \
-                _profile.timed(segment.name, "recompute", settings.profile, settings.synchronize_checkpoint_boundary):
-            outputs = segment.call(inputs)
-        out_tensors = [x for x in tree_flatten(outputs)[0] if isinstance(x, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(out_tensors, grads) if o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        with contextlib.ExitStack() as held:
+            for context in ctx.held:
+                held.enter_context(context)
+            with replay(ctx.rng), _autocast(ctx.autocast), torch.enable_grad(), _recomputing(), \
+                    _profile.timed(segment.name, "recompute", settings.profile,
+                                   settings.synchronize_checkpoint_boundary):
+                outputs = segment.call(inputs)
+            out_tensors = [x for x in tree_flatten(outputs)[0] if isinstance(x, torch.Tensor)]
+            pairs = [(o, g) for o, g in zip(out_tensors, grads) if o.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 
 

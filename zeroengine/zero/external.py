@@ -10,21 +10,18 @@ model's ``__init__``, under ``zero.Init`` or not) or after it.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 _ATTR = "_ze_external_params"  # on the module: {id(param): param}
-
-# The stage-3 hooks objects alive now; they are told about registrations made after they were built.
-_LISTENERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Fetch ``parameter`` whenever ``module`` runs forward or backward (stage 3)."""
     _check_types(module, parameter, "register_external_parameter")
     module.__dict__.setdefault(_ATTR, {})[id(parameter)] = parameter
-    for hooks in list(_LISTENERS):
+    from .stage3_hooks import live_hooks  # (it imports this module)
+
+    for hooks in live_hooks():  # models already hooked for stage 3 learn of it now
         hooks.external_registered(module)
 
 

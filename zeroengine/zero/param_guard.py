@@ -137,15 +137,23 @@ def describe(p) -> str:
 
 def _message(p, op: str) -> str:
     info = p._ze
+    in_backward = ""
+    if torch._C._current_graph_task_id() != -1:
+        # The usual way to get here in backward: torch's reentrant checkpoint recomputing a segment that reads
+        # its module's parameter directly, after that parameter's gradient was complete and it was released.
+        in_backward = (" This happened during backward: if it is an activation-checkpoint recompute "
+                       "(torch.utils.checkpoint with use_reentrant=True) of code that uses the parameter "
+                       "directly, use zeroengine.checkpointing.checkpoint, which keeps the enclosing "
+                       "module's parameters gathered for the recompute, or use_reentrant=False.")
     return (f"parameter {info.name!r} (shape {tuple(info.shape)}) is partitioned across ranks by ZeRO stage 3 "
             f"and holds no values here, so '{op}' cannot run on it. Its values are gathered only while the "
             f"module that owns it runs forward or backward: outside the engine's forward/backward, or inside "
             f"it from another module (e.g. F.linear(x, self.emb.weight) in a parent: register it with "
             f"zeroengine.zero.register_external_parameter(parent, param), or use it through its own module). "
-            f"To read or "
-            f"edit it outside training, wrap the code in `with zeroengine.zero.GatheredParameters([param], "
+            f"To read or edit it outside training, wrap the code in `with zeroengine.zero.GatheredParameters([param], "
             f"modifier_rank=...)` (collective: every rank enters it), or use "
-            f"zeroengine.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value).")
+            f"zeroengine.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value)."
+            + in_backward)
 
 
 def mark_partitioned(p: torch.nn.Parameter, name: str | None = None, shape: torch.Size | None = None) -> None:

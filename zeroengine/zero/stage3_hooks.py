@@ -23,6 +23,8 @@ they stay gathered.
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -30,7 +32,9 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from .external import _LISTENERS, external_parameters
+from zeroengine.checkpointing.checkpoint import register_recompute_context
+
+from .external import external_parameters
 from .layout import Bucket
 from .partitioned_params import PartitionedParamBuffer
 from .prefetch import ExecutionTrace, FetchEvent, TraceState
@@ -98,7 +102,7 @@ class Stage3Hooks:
             owned = tuple(sorted(u for u in owned_by.get(name, ()) if not units[u].persistent))
             if owned or external_parameters(m):
                 self._attach(m, name, owned)
-        _LISTENERS.add(self)
+        _LIVE.add(self)
 
     def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
         label = name or type(m).__name__
@@ -238,6 +242,30 @@ class Stage3Hooks:
             if u not in keep and self.in_use[u] == 0:
                 self._release(u)
 
+    # -- activation checkpointing -------------------------------------------------------
+    def running_units(self) -> tuple[int, ...]:
+        """Units of the modules whose forward is running now (a checkpointed segment's enclosing modules)."""
+        return tuple(u for u, n in self.in_use.items() if n > 0)
+
+    @contextlib.contextmanager
+    def holding(self, units: tuple[int, ...]):
+        """Keep ``units`` gathered for the block (a segment's recompute and its inner backward)."""
+        for u in units:
+            unit = self.units[u]
+            if not unit.buffer.is_fetched(unit.bucket):
+                self._make_room(unit.numel, keep=units)
+            unit.buffer.gather(unit.bucket, "activation checkpoint recompute")
+            self.prefetched.discard(u)
+            self.kept.discard(u)
+            self.in_use[u] += 1
+        try:
+            yield
+        finally:
+            for u in units:
+                self.in_use[u] -= 1
+                if self.in_use[u] == 0:
+                    self._release_or_keep(u)
+
     # -- called by the gradient store / the optimizer --------------------------------
     def on_bucket_grads_ready(self, bucket: Bucket) -> None:
         u = self._trainable_unit[bucket.index]
@@ -257,3 +285,32 @@ class Stage3Hooks:
     @property
     def trace_state(self) -> TraceState:
         return self.trace.state
+
+
+# The stage-3 hooks objects alive now: told about external parameters registered after they were built,
+# and asked what a checkpointed segment's recompute must hold.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_hooks() -> list[Stage3Hooks]:
+    return list(_LIVE)
+
+
+def _hold_enclosing_parameters():
+    """For a checkpointed segment's forward: hold its enclosing modules' parameters during its recompute."""
+    held = [(hooks, units) for hooks in live_hooks() if (units := hooks.running_units())]
+    if not held:
+        return None
+    stack = contextlib.ExitStack()
+
+    @contextlib.contextmanager
+    def holding_all():
+        with stack:
+            for hooks, units in held:
+                stack.enter_context(hooks.holding(units))
+            yield
+
+    return holding_all()
+
+
+register_recompute_context(_hold_enclosing_parameters)
