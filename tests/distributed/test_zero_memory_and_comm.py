@@ -96,3 +96,31 @@ def test_optimizer_offload_keeps_an_fp32_master_shard_beside_its_state(stage):
     predicted = zeroengine.estimate_memory(psi, world, stage, offload_optimizer=True)
     assert abs(mem["master_params"] - predicted["master_params"]) <= 0.05 * predicted["master_params"]
     assert predicted["cpu"] == predicted["master_params"] + predicted["optimizer_states"]
+
+
+def _scratch(rank, world, stage):
+    from zeroengine.comm.scratch import scratch
+
+    scratch.clear()
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=base_config(2, 1, world, 0.0, stage=stage))
+    for step in global_batches(2, 1, world, 2):
+        x, y = step[0][rank]
+        engine.backward(engine(x, y))
+        engine.step()
+    without = engine.optimizer.memory_tally().as_dict()
+    return scratch.held_bytes(), engine.memory_breakdown(), without
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_gloo_collectives_kept_temporaries_are_reported_as_buffers(stage):
+    # gloo's reduce-scatter / all-gather run through full-size temporaries kept for reuse: memory this rank
+    # holds, so memory_breakdown() reports it (under "buffers", and in "cpu")
+    held, mem, without = run_distributed(_scratch, 2, stage)[0]
+    assert held > 0
+    assert mem["buffers"] == without["buffers"] + held
+    assert mem["cpu"] == without["cpu"] + held
+
+
+def test_a_world_of_one_keeps_no_collective_temporaries():
+    held, mem, without = run_distributed(_scratch, 1, 2)[0]
+    assert held == 0 and mem == without

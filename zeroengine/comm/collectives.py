@@ -82,7 +82,9 @@ def _use_all_to_all(group) -> bool:
     (ZEROENGINE_GLOO_NATIVE_COLLECTIVES=1 restores gloo's own); NCCL keeps its
     native kernels.
     """
-    return dist.get_backend(group) == "gloo" and os.environ.get("ZEROENGINE_GLOO_NATIVE_COLLECTIVES", "0") == "0"
+    # A world of one has nothing to exchange: the native call is a copy, without a full-size temporary.
+    return (dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1
+            and os.environ.get("ZEROENGINE_GLOO_NATIVE_COLLECTIVES", "0") == "0")
 
 
 class _AfterWait:

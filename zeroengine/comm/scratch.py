@@ -46,9 +46,13 @@ class ScratchPool:
         with self._lock:
             self._free.clear()
 
-    def held_bytes(self) -> int:
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The idle buffers kept for reuse (memory this process holds between collectives)."""
         with self._lock:
-            return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+            return [t for free in self._free.values() for t in free]
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.held_tensors())
 
 
 scratch = ScratchPool()
