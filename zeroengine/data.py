@@ -13,7 +13,8 @@ def build_dataloader(dataset, micro_batch_size: int, collate_fn=None, rank: int 
     same number of samples, and so the same number of micro-batches (a rank with one batch more would
     wait in a collective the others never join); ``drop_last`` (the config's ``dataloader_drop_last``)
     drops the last micro-batch when it is smaller than ``micro_batch_size``. Call
-    ``loader.sampler.set_epoch(e)`` each epoch for a new shuffle, as with any DistributedSampler.
+    ``loader.sampler.set_epoch(e)`` (or DeepSpeed's ``loader.data_sampler.set_epoch(e)``) each epoch for a
+    new shuffle, as with any DistributedSampler.
     """
     if isinstance(dataset, torch.utils.data.IterableDataset):
         # It cannot be indexed, so no sampler can give each rank its share; every rank would read it all.
@@ -22,5 +23,7 @@ def build_dataloader(dataset, micro_batch_size: int, collate_fn=None, rank: int 
                         "share (e.g. with torch.utils.data.get_worker_info and the rank), or pass a map-style "
                         "Dataset")
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=drop_last)
+    loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
+                        drop_last=drop_last)
+    loader.data_sampler = sampler  # DeepSpeedDataLoader's name for it: loader.data_sampler.set_epoch(e)
+    return loader

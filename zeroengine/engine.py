@@ -9,8 +9,22 @@ from __future__ import annotations
 import torch
 
 from zeroengine import comm
+from zeroengine.comm.scratch import scratch as comm_scratch
 from zeroengine.progress import ProgressMeter, StepTimers, format_progress, get_logger
 from zeroengine.zero.optimizer import StepResult, ZeroOptimizer
+
+
+# DeepSpeed engine methods zeroengine does not have, with what to do instead.
+_DEEPSPEED_ONLY = {
+    "no_sync": "gradients are reduced only at gradient-accumulation boundaries already; set "
+               "gradient_accumulation_steps, or mark the last micro-batch with set_gradient_accumulation_boundary(True)",
+    "set_train_batch_size": "the batch size is fixed by the config; start from a config with the new "
+                            "train_batch_size / gradient_accumulation_steps (checkpoints load at any batch size)",
+    "offload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",
+    "reload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",
+    "destroy": "drop the references to the engine (and call torch.distributed.destroy_process_group() at the end)",
+    "load_universal_checkpoint": "zeroengine checkpoints load at any world size and stage with load_checkpoint",
+}
 
 
 class Engine:
@@ -86,6 +100,21 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """Each param group's momentum: Adam's ``betas``, else SGD's / RMSprop's ``momentum`` (as DeepSpeed)."""
+        return [g["betas"] if "betas" in g else g.get("momentum", 0.0) for g in self.optimizer.param_groups]
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails: say why, instead of a bare AttributeError.
+        if name.startswith("_") or name == "module" or "module" not in self.__dict__:
+            raise AttributeError(name)
+        if name in _DEEPSPEED_ONLY:
+            raise AttributeError(f"Engine.{name}() (DeepSpeed's) is not supported: {_DEEPSPEED_ONLY[name]}")
+        if hasattr(self.module, name):
+            raise AttributeError(f"'Engine' object has no attribute {name!r}: the engine does not forward attribute "
+                                 f"lookups to the model (DeepSpeed's does); use engine.module.{name}")
+        raise AttributeError(f"'Engine' object has no attribute {name!r}")
 
     @property
     def loss_scale(self) -> float:
@@ -182,7 +211,9 @@ class Engine:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held by this rank: by kind (params, grads, ...) and by place (cpu, device)."""
-        return self.optimizer.memory_tally().as_dict()
+        tally = self.optimizer.memory_tally()
+        tally.add("buffers", comm_scratch.held_tensors())  # gloo's collective temporaries, kept for reuse
+        return tally.as_dict()
 
     # -- checkpoints (zeroengine.checkpoint) ----------------------------------
     def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:

@@ -27,6 +27,16 @@ def test_ranks_get_equal_padded_shares_covering_every_sample():
     assert set(shares[0]) | set(shares[1]) == set(range(11))
 
 
+def test_deepspeeds_data_sampler_set_epoch_reshuffles():
+    loader = build_dataloader(torch.utils.data.TensorDataset(torch.arange(32)), 32)
+    assert loader.data_sampler is loader.sampler  # DeepSpeedDataLoader's attribute, for its epoch idiom
+    epochs = []
+    for epoch in range(2):
+        loader.data_sampler.set_epoch(epoch)
+        epochs.append([x.item() for (batch,) in loader for x in batch])
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(32)) and epochs[0] != epochs[1]
+
+
 def test_iterable_dataset_is_refused_by_name():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

@@ -240,6 +240,21 @@ def test_engine_answers_deepspeeds_accessors():
     assert engine.was_step_applied() and engine.global_samples == 4 and engine.global_steps == 1
 
 
+def test_deepspeed_engine_methods_it_lacks_and_model_attributes_say_what_to_use():
+    engine, *_ = zeroengine.initialize(model=_model(), config=_config(2))
+    assert engine.get_mom() == [0.9]  # DeepSpeed's get_mom: SGD's momentum (Adam's betas where it has them)
+    adam, *_ = zeroengine.initialize(model=_model(), config=_config(0, optimizer={"type": "AdamW",
+                                                                                  "params": {"lr": 1e-3}}))
+    assert [tuple(b) for b in adam.get_mom()] == [(0.9, 0.999)]
+    with pytest.raises(AttributeError, match="no_sync.*not supported.*set_gradient_accumulation_boundary"):
+        engine.no_sync()
+    with pytest.raises(AttributeError, match="does not forward attribute lookups to the model.*engine.module.append"):
+        engine.append  # the model's (nn.Sequential's) attribute, asked of the engine
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        engine.no_such_thing
+    assert not hasattr(engine, "offload_states")  # hasattr still works: the errors are AttributeErrors
+
+
 def test_set_gradient_accumulation_boundary_steps_once_after_the_last_micro_batch():
     """DeepSpeed's manual boundary: backward on each micro-batch, the last one marked, one step() call."""
     batches = _batches(4)
