@@ -241,3 +241,39 @@ def test_load_dir_edge_cases_get_named_answers(tmp_path):
     (one_tag / "manifest.json").write_text("{}")
     assert mf.resolve_tag_dir(str(one_tag), None) == str(one_tag)  # a tag directory given as load_dir
     assert mf.resolve_tag_dir(str(tmp_path / "nothing"), None) is None  # nothing there: (None, None), as DeepSpeed
+
+
+def save_two_tags(rank, world, save_dir):
+    engine = _engine(world)
+    train(engine, rank, world, 0, 1)
+    engine.save_checkpoint(save_dir, tag="A")
+    train(engine, rank, world, 1, 1)
+    engine.save_checkpoint(save_dir, tag="B")
+
+
+def load_by_rank(rank, world, load_dirs, tags):
+    engine = _engine(world)
+    before = full_state(engine)
+    try:
+        engine.load_checkpoint(load_dirs[rank], tag=tags[rank])
+    except CheckpointError as err:
+        after = full_state(engine)
+        return str(err), all(torch.equal(after[k], v) for k, v in before.items()), engine.global_steps
+    return "", None, engine.global_steps
+
+
+@pytest.mark.parametrize("case", ["tags differ", "latest differs", "one rank sees none"])
+def test_ranks_loading_different_checkpoints_is_refused_by_every_rank(tmp_path, case):
+    # Before, each rank silently loaded its own tag and the next step mixed two checkpoints into one model.
+    save_dir, empty = str(tmp_path / "run"), str(tmp_path / "empty")
+    os.makedirs(empty)
+    run_distributed(save_two_tags, 2, save_dir)
+    dirs, tags, rank1 = {
+        "tags differ": ([save_dir, save_dir], ["A", "B"], "tag 'B' saved"),
+        "latest differs": ([save_dir, save_dir], ["A", None], "tag 'B' saved"),  # rank 1 follows 'latest'
+        "one rank sees none": ([save_dir, empty], ["A", None], "no checkpoint (no 'latest' file)"),
+    }[case]
+    for message, untouched, steps in run_distributed(load_by_rank, 2, dirs, tags):
+        assert "the ranks would load different checkpoints" in message, message
+        assert "rank 0: tag 'A' saved" in message and f"rank 1: {rank1}" in message, message
+        assert untouched and steps == 0  # nothing was loaded anywhere

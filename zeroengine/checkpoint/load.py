@@ -12,6 +12,7 @@ error, and never leaves some ranks waiting in a collective.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -40,12 +41,24 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
             get_logger().warning(f"no checkpoint to load in {load_dir} (no 'latest' file there, and no tag given)")
     # A stored parameter no rank's model claims is one this model does not have (strict, as load_state_dict).
     # Ranks claim different ones under expert parallelism, so only what every rank leaves unclaimed counts.
-    unclaimed = exchange("load_checkpoint/unclaimed", sorted(plan.unclaimed) if plan and plan.tag_dir else None)
+    # Every rank must also be about to load the same save: different tags, or different 'latest' files (a
+    # save_dir that is not shared), would otherwise mix two checkpoints into one model without a word.
+    found = plan is not None and problem is None
+    mine = {"unclaimed": sorted(plan.unclaimed) if found and plan.tag_dir else None,
+            "checkpoint": _identity(plan) if found else "unreadable"}
+    everyone = exchange("load_checkpoint/unclaimed", mine)
+    unclaimed = [r["unclaimed"] for r in everyone]
     lists = [set(u) for u in unclaimed if u is not None]
     nobody = sorted(set.intersection(*lists)) if lists and len(lists) == len(unclaimed) else []
     if nobody and problem is None:
         problem = (f"checkpoint {plan.tag_dir} has parameter(s) {nobody[:8]}{' ...' if len(nobody) > 8 else ''} "
                    "that this model does not have")
+    identities = [r["checkpoint"] for r in everyone if r["checkpoint"] != "unreadable"]
+    if problem is None and any(i != identities[0] for i in identities):
+        lines = "; ".join(f"rank {r}: {_describe(e['checkpoint'])}" for r, e in enumerate(everyone))
+        problem = (f"the ranks would load different checkpoints ({lines}). Pass the same tag on every rank, and "
+                   "give every rank the same load_dir on a shared filesystem (a node-local copy with its own "
+                   "'latest' file resolves to another tag)")
     reports = exchange("load_checkpoint", problem)
     raise_failures({r: msg for r, msg in enumerate(reports) if msg},
                    f"cannot load the checkpoint from {load_dir}; nothing was changed: it failed")
@@ -63,6 +76,23 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         get_logger().info(f"loaded checkpoint {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
                           f"rank(s) at ZeRO stage {plan.manifest.data['zero_stage']})")
     return plan.tag_dir, common["client_state"]
+
+
+def _identity(plan) -> list | None:
+    """Which save this rank will load: [tag, creation time] from its manifest, None when there is none."""
+    if plan.tag_dir is None:
+        return None
+    return [plan.manifest.data.get("tag", os.path.basename(plan.tag_dir)), plan.manifest.data.get("created")]
+
+
+def _describe(identity) -> str:
+    if identity == "unreadable":
+        return "could not read its checkpoint"
+    if identity is None:
+        return "no checkpoint (no 'latest' file)"
+    tag, created = identity
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created)) if created is not None else "?"
+    return f"tag {tag!r} saved {when}"
 
 
 class _Plan:
