@@ -277,3 +277,36 @@ def test_ranks_loading_different_checkpoints_is_refused_by_every_rank(tmp_path, 
         assert "the ranks would load different checkpoints" in message, message
         assert "rank 0: tag 'A' saved" in message and f"rank 1: {rank1}" in message, message
         assert untouched and steps == 0  # nothing was loaded anywhere
+
+
+def stall_after_writing(rank, world, save_dir):
+    os.environ["ZEROENGINE_HANDSHAKE_TIMEOUT"] = "3"
+    engine = _engine(world)
+    if rank == 1:  # enters the save with rank 0, writes its shard, then stalls (as if hung or dying)
+        real = save_module._write_shard
+
+        def write_then_stall(*args):
+            files = real(*args)
+            time.sleep(6)
+            return files
+
+        save_module._write_shard = write_then_stall
+    message = ""
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    except CheckpointError as err:
+        message = str(err)
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()  # rank 0 hosts it: it must outlive rank 1's last read
+    store.set(f"stall_done/{rank}", b"1")
+    store.wait([f"stall_done/{r}" for r in range(world)], __import__("datetime").timedelta(seconds=30))
+    return message
+
+
+def test_a_rank_that_stops_inside_a_save_is_not_blamed_for_skipping_the_call(tmp_path):
+    message = run_distributed(stall_after_writing, 2, str(tmp_path / "run"))[0]
+    assert "save_checkpoint: rank(s) [1] called it with the others but did not reach its next step" in message
+    assert "crashed, were killed, or hang" in message
+    assert "if rank == 0" not in message  # the advice for a missing call would mislead here
+    assert not os.path.exists(tmp_path / "run" / "latest")

@@ -59,7 +59,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         problem = (f"the ranks would load different checkpoints ({lines}). Pass the same tag on every rank, and "
                    "give every rank the same load_dir on a shared filesystem (a node-local copy with its own "
                    "'latest' file resolves to another tag)")
-    reports = exchange("load_checkpoint", problem)
+    reports = exchange("load_checkpoint", problem, first=False)
     raise_failures({r: msg for r, msg in enumerate(reports) if msg},
                    f"cannot load the checkpoint from {load_dir}; nothing was changed: it failed")
     if plan.tag_dir is None:

@@ -60,8 +60,8 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     except Exception as err:  # noqa: BLE001 - reported to every rank, then re-raised below
         report["error"] = f"{type(err).__name__}: {err}"
     # Only rank 0 commits, so only it reads the file and parameter tables; every rank learns of failures.
-    reports = gather_to_rank0("save_checkpoint/report", report, _SAVE_ADVICE)
-    errors = _exchange("save_checkpoint/errors", {"error": report["error"]})
+    reports = gather_to_rank0("save_checkpoint/report", report, first=False)
+    errors = _exchange("save_checkpoint/errors", {"error": report["error"]}, first=False)
     failed = {r: rep["error"] for r, rep in enumerate(errors) if rep["error"]}
 
     outcome = {"error": None}
@@ -73,7 +73,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
                 _commit(engine, save_dir, tag, staging, reports, save_latest)
         except Exception as err:  # noqa: BLE001
             outcome["error"] = f"{type(err).__name__}: {err}"
-    outcome = _exchange("save_checkpoint/commit", outcome if rank == 0 else {"error": None})[0]
+    outcome = _exchange("save_checkpoint/commit", outcome if rank == 0 else {"error": None}, first=False)[0]
     raise_failures(failed, f"checkpoint {tag!r} was not saved (latest still names the previous one); writing failed")
     if outcome["error"]:
         shutil.rmtree(staging, ignore_errors=True)  # every rank: on an unshared save_dir each has its own
@@ -88,8 +88,8 @@ _SAVE_ADVICE = (". Call engine.save_checkpoint on all ranks, not under `if rank 
                 "(only rank 0 writes the shared files anyway)")
 
 
-def _exchange(name: str, payload: dict) -> list[dict]:
-    return exchange(name, payload, _SAVE_ADVICE)
+def _exchange(name: str, payload: dict, first: bool = True) -> list[dict]:
+    return exchange(name, payload, _SAVE_ADVICE if first else "", first)
 
 
 def _agreed_tag(engine, arrival: list[dict]) -> str:

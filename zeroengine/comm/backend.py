@@ -13,12 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .handshake import comm_timeout_s, default_timeout_s
 from .sequence_check import CollectiveSequenceChecker
 
-# Collectives give up after this long instead of hanging forever when a peer
-# died; torch's own default (30 min for gloo) is far too patient for a job
-# whose launcher is already tearing the world down.
-DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROENGINE_COMM_TIMEOUT", 600))
 
 
 class _State:
@@ -60,7 +57,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     backend = backend or dist_backend or default_backend()
-    timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    # Collectives give up after ZEROENGINE_COMM_TIMEOUT (600 s) instead of hanging when a peer died; torch's
+    # own default (30 min for gloo) is far too patient for a job whose launcher is already tearing it down.
+    timeout = timedelta(seconds=timeout_s or comm_timeout_s())
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{addr}:{port}",
@@ -83,14 +82,21 @@ def shutdown() -> None:
         from .handshake import HandshakeTimeout, handshakes
 
         try:
-            handshakes.exchange("shutdown", b"", timeout_s=60)
-        except HandshakeTimeout:
-            pass  # a peer is gone already: nothing left to wait for
+            handshakes.exchange("shutdown", b"", timeout_s=min(60.0, default_timeout_s()))
+        except HandshakeTimeout as err:  # a peer is gone already (or failed): nothing left to wait for
+            from zeroengine.progress import get_logger
+
+            get_logger().warning(f"rank {dist.get_rank()}: shutdown did not meet rank(s) {err.missing} (gone or "
+                                 "failed before the end of the script); tearing down without them")
     dist.destroy_process_group()
 
 
-def enable_sequence_check(timeout_s: float = 60.0) -> None:
-    """Turn on the collective-sequence checker (debug mode) for this process."""
+def enable_sequence_check(timeout_s: float | None = None) -> None:
+    """Turn on the collective-sequence checker (debug mode) for this process. A rank waits up to
+    ``timeout_s`` (default: the handshake deadline, ``ZEROENGINE_HANDSHAKE_TIMEOUT``, else the comm
+    timeout) for its peers to post the same collective."""
+    if timeout_s is None:
+        timeout_s = default_timeout_s()
     from torch.distributed.distributed_c10d import _get_default_store
 
     # Every rank enables the check the same number of times, so the generation agrees across ranks.

@@ -11,6 +11,7 @@ written, ...) without any collective that could itself hang.
 """
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -20,17 +21,34 @@ import torch.distributed as dist
 class HandshakeTimeout(RuntimeError):
     """Some ranks did not reach the same handshake within the deadline."""
 
-    def __init__(self, message: str, missing: list[int]):
+    def __init__(self, message: str, missing: list[int], store_lost: bool = False):
         super().__init__(message)
         self.missing = missing
+        self.store_lost = store_lost  # rank 0, which hosts the store, is gone
+
+
+def seconds_from_env(var: str) -> float | None:
+    """``var`` as a positive number of seconds (None when unset); anything else is an error naming it."""
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{var}={raw!r}: expected a positive number of seconds (e.g. {var}=600)")
+    return value
+
+
+def comm_timeout_s() -> float:
+    """``ZEROENGINE_COMM_TIMEOUT`` seconds, else 600: how long a collective waits (read when the group is made)."""
+    return seconds_from_env("ZEROENGINE_COMM_TIMEOUT") or 600.0
 
 
 def default_timeout_s() -> float:
     """``ZEROENGINE_HANDSHAKE_TIMEOUT`` seconds, else the collective timeout (``ZEROENGINE_COMM_TIMEOUT``, 600)."""
-    for var in ("ZEROENGINE_HANDSHAKE_TIMEOUT", "ZEROENGINE_COMM_TIMEOUT"):
-        if os.environ.get(var):
-            return float(os.environ[var])
-    return 600.0
+    return seconds_from_env("ZEROENGINE_HANDSHAKE_TIMEOUT") or comm_timeout_s()
 
 
 class Handshakes:
@@ -87,7 +105,7 @@ class Handshakes:
             return [store.get(k) for k in keys]
         except dist.DistNetworkError:
             raise HandshakeTimeout(f"rank {rank} lost the connection to the store (hosted by rank 0) during "
-                                   f"'{name}': rank 0 has died", [0]) from None
+                                   f"'{name}': rank 0 has died", [0], store_lost=True) from None
         except Exception:  # the store raises a plain RuntimeError/DistStoreError on timeout
             missing = [r for r in range(len(keys)) if not store.check([keys[r]])]
             raise HandshakeTimeout(
