@@ -64,6 +64,15 @@ def test_sigkill_during_a_save_leaves_the_previous_tag_loadable(tmp_path, victim
     assert not os.path.exists(os.path.join(save_dir, "doomed"))  # never renamed into place
     path, steps, _ = run_distributed(load_world1, 1, save_dir)[0]
     assert path == os.path.join(save_dir, "good") and steps == 1
+    assert any(name.startswith(".staging-doomed") for name in os.listdir(save_dir))
+    run_distributed(load_and_save_as, 1, save_dir, "after")  # the next save, under another tag ...
+    assert sorted(os.listdir(save_dir)) == ["after", "good", "latest"]  # ... removes the crashed one's staging
+
+
+def load_and_save_as(rank, world, save_dir, tag):
+    engine = _engine(world, stage=0)
+    engine.load_checkpoint(save_dir)
+    engine.save_checkpoint(save_dir, tag=tag)
 
 
 def test_truncated_or_corrupted_shard_is_refused_by_name(tmp_path):

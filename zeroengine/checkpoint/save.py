@@ -204,5 +204,7 @@ def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], 
     if save_latest:
         save_text(tag + "\n", os.path.join(save_dir, mf.LATEST))
     shutil.rmtree(old, ignore_errors=True)
-    for stale in glob.glob(mf.staging_dir(save_dir, tag) + "-*"):  # left by saves that crashed
+    # Staging directories of any tag are left only by saves that crashed: saves are collective, so none
+    # other than this one (committed above) is being written now.
+    for stale in glob.glob(os.path.join(glob.escape(save_dir), ".staging-*")):
         shutil.rmtree(stale, ignore_errors=True)
