@@ -123,3 +123,24 @@ def _list_forms(rank, world):
 
 def test_list_forms_of_collectives_get_a_type_error_that_says_what_to_pass():
     assert run_distributed(_list_forms, 2) == [0, 1]
+
+
+def _peer_gone(rank, world):
+    if rank == 1:
+        return ""  # leaves: its process exits and closes its connections
+    import time
+
+    time.sleep(1)
+    try:
+        with comm.collective_context("gradient bucket 3"):
+            comm.all_reduce(torch.ones(4))
+    except comm.CollectiveError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_failed_collective_is_named_with_what_it_was_for():
+    # Before, the survivor got gloo's bare "Connection closed by peer" with no op, size or purpose.
+    message = run_distributed(_peer_gone, 2, timeout_s=120)[0]
+    assert message.startswith("rank 0: all_reduce of 16 bytes over 2 ranks for gradient bucket 3 failed:"), message
+    assert "Another rank died, is stuck" in message and "ZEROENGINE_COMM_TIMEOUT" in message

@@ -13,6 +13,7 @@ from .backend import (
     shutdown,
 )
 from .collectives import (
+    CollectiveError,
     ReduceOp,
     all_gather,
     all_reduce,
@@ -30,7 +31,7 @@ from .sequence_check import CollectiveMismatchError
 
 __all__ = [
     "all_gather", "all_reduce", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
-    "collective_context", "control_all_gather", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
+    "collective_context", "CollectiveError", "control_all_gather", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
     "device_for_backend", "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in",
     "get_world_size", "handshakes", "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp",
     "ring_wire_bytes", "sequence_check_active", "sequence_check_requested", "shutdown"

@@ -63,9 +63,41 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: what it was, and the backend's own message."""
+
+
+def _failed(op: str, payload_bytes: int, group, label: str, exc: Exception) -> CollectiveError:
+    from .handshake import comm_timeout_s
+
+    world = dist.get_world_size(group)
+    what = f" for {label}" if label else ""
+    return CollectiveError(
+        f"rank {dist.get_rank()}: {op} of {payload_bytes} bytes over {world} ranks{what} failed: {exc}. Another "
+        f"rank died, is stuck, or issued a different collective (a code path taken on some ranks only); a "
+        f"collective waits ZEROENGINE_COMM_TIMEOUT ({comm_timeout_s():.0f} s). Look for the first failing "
+        "rank's own error; set \"comm_debug\": true to compare every rank's collectives.")
+
+
+def _call(op: str, payload_bytes: int, group, run, async_op: bool, finish=None):
+    """Run ``run()`` (the torch.distributed call), naming the collective if it fails now or when waited on;
+    ``finish`` runs once it has completed. Returns a handle when ``async_op``, else None."""
+    label = _LABEL.get()
+    try:
+        work = run()
+    except RuntimeError as exc:
+        raise _failed(op, payload_bytes, group, label, exc) from exc
+    handle = _AfterWait(work, finish, (op, payload_bytes, group, label))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     _before("all_reduce", tensor, group, _nbytes(tensor))
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _call("all_reduce", _nbytes(tensor), group,
+                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
 
 def _use_all_to_all(group) -> bool:
@@ -88,21 +120,26 @@ def _use_all_to_all(group) -> bool:
 
 
 class _AfterWait:
-    """A Work handle that runs ``finish`` once the underlying collective has completed."""
+    """A Work handle that runs ``finish`` once the underlying collective has completed, and names the
+    collective (``what``: op, bytes, group, label) if waiting for it fails."""
 
-    def __init__(self, work, finish):
-        self._work, self._finish, self._done = work, finish, False
+    def __init__(self, work, finish, what):
+        self._work, self._finish, self._what, self._done = work, finish, what, False
 
     def wait(self, timeout=None):
         if not self._done:
             if self._work is not None:
-                self._work.wait()
-            self._finish()
+                try:
+                    self._work.wait()
+                except RuntimeError as exc:
+                    raise _failed(*self._what, exc) from exc
+            if self._finish is not None:
+                self._finish()
             self._done = True
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        return self._done or (self._work is not None and self._work.is_completed())
 
 
 def _flat(name: str, **tensors) -> None:
@@ -119,7 +156,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
     _flat("reduce_scatter", output=output, input=input)
     _before("reduce_scatter", input, group, _nbytes(input))
     if op != ReduceOp.SUM or not _use_all_to_all(group):
-        return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
+        return _call("reduce_scatter", _nbytes(input), group,
+                     lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op), async_op)
     world = dist.get_world_size(group)
     received = scratch.take(input.numel(), input.dtype, input.device).view(input.shape)
 
@@ -127,8 +165,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
         torch.sum(received.view(world, -1), dim=0, out=output)
         scratch.give_back(received)
 
-    work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
-    return _then(work, finish, async_op)
+    return _call("reduce_scatter", _nbytes(input), group,
+                 lambda: dist.all_to_all_single(received, input, group=group, async_op=async_op), async_op, finish)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -136,41 +174,34 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     _flat("all_gather", output=output, input=input)
     _before("all_gather", input, group, _nbytes(output))
     if not _use_all_to_all(group):
-        return _all_gather_flat(output, input, group=group, async_op=async_op)
+        return _call("all_gather", _nbytes(output), group,
+                     lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op)
     world = dist.get_world_size(group)
     copies = scratch.take(world * input.numel(), input.dtype, input.device)
     copies.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
-    work = dist.all_to_all_single(output, copies, group=group, async_op=async_op)
-    return _then(work, lambda: scratch.give_back(copies), async_op)
-
-
-def _then(work, after, async_op: bool):
-    """``after()`` once ``work`` completes: a handle whose wait() runs it (async), or run now (None)."""
-    handle = _AfterWait(work, after)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return _call("all_gather", _nbytes(output), group,
+                 lambda: dist.all_to_all_single(output, copies, group=group, async_op=async_op), async_op,
+                 lambda: scratch.give_back(copies))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     _before("broadcast", tensor, group, _nbytes(tensor))
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _call("broadcast", _nbytes(tensor), group,
+                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     uneven = input_split_sizes is not None or output_split_sizes is not None
     _before("all_to_all", input, group, _nbytes(input), sizes_must_match=not uneven)
-    return dist.all_to_all_single(
+    return _call("all_to_all", _nbytes(input), group, lambda: dist.all_to_all_single(
         output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
-        group=group, async_op=async_op,
-    )
+        group=group, async_op=async_op), async_op)
 
 
 def barrier(group=None) -> None:
     marker = torch.zeros(1)
     _before("barrier", marker, group, 0)
-    dist.barrier(group=group)
+    _call("barrier", 0, group, lambda: dist.barrier(group=group), async_op=False)
 
 
 def all_reduce_scalar(value: float, op=ReduceOp.SUM, group=None) -> float:
