@@ -16,8 +16,10 @@ from zeroengine.zero.optimizer import StepResult, ZeroOptimizer
 
 # DeepSpeed engine methods zeroengine does not have, with what to do instead.
 _DEEPSPEED_ONLY = {
-    "no_sync": "gradients are reduced only at gradient-accumulation boundaries already; set "
-               "gradient_accumulation_steps, or mark the last micro-batch with set_gradient_accumulation_boundary(True)",
+    "no_sync": "at stages 0 and 1 gradients are reduced only at gradient-accumulation boundaries already, and "
+               "at stages 2 and 3 each micro-step's gradients are reduced as they are produced (DeepSpeed refuses "
+               "no_sync there too); set gradient_accumulation_steps, or mark the last micro-batch with "
+               "set_gradient_accumulation_boundary(True)",
     "set_train_batch_size": "the batch size is fixed by the config; start from a config with the new "
                             "train_batch_size / gradient_accumulation_steps (checkpoints load at any batch size)",
     "offload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",

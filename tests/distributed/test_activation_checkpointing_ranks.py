@@ -205,3 +205,32 @@ def test_torch_reentrant_recompute_of_a_direct_use_names_the_cause():
     for message in run_distributed(_torch_reentrant, 2):
         assert "'scale'" in message and "during backward" in message, message
         assert "zeroengine.checkpointing.checkpoint" in message and "use_reentrant=False" in message, message
+
+
+def _retain_twice_and_recover(rank, world):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeroengine.initialize(model=_LayerScale(), config=cfg)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    loss = engine(x, y, "zeroengine")
+    engine.backward(loss, retain_graph=True)  # the segment is recomputed in each of the two backwards
+    engine.backward(loss)
+    engine.step()
+    try:
+        engine(torch.randn(2, 5), y, "zeroengine")  # a forward that raises inside a module (wrong width)
+    except RuntimeError:
+        pass
+    hooks = engine.optimizer.hooks
+    stale = hooks.running_units()  # still counted as running until the next forward starts
+    engine.backward(engine(x, y, "zeroengine"))
+    engine.backward(engine(x, y, "zeroengine"))
+    engine.step()
+    held = engine.memory_breakdown()["params"]
+    return bool(stale), hooks.running_units(), held == engine.optimizer.layout.shard_numel * 4
+
+
+def test_a_segment_recomputed_by_two_backwards_and_a_forward_that_raised_leave_nothing_held():
+    for stale, running, released in run_distributed(_retain_twice_and_recover, 2):
+        assert stale and running == () and released

@@ -143,4 +143,18 @@ def test_a_failed_collective_is_named_with_what_it_was_for():
     # Before, the survivor got gloo's bare "Connection closed by peer" with no op, size or purpose.
     message = run_distributed(_peer_gone, 2, timeout_s=120)[0]
     assert message.startswith("rank 0: all_reduce of 16 bytes over 2 ranks for gradient bucket 3 failed:"), message
-    assert "Another rank died, is stuck" in message and "ZEROENGINE_COMM_TIMEOUT" in message
+    # the harness made the process group itself, so its timeout is not zeroengine's to name
+    assert "Another rank died, is stuck" in message and "a collective waits the process group's timeout" in message
+
+
+def _local_misuse(rank, world):
+    try:
+        comm.broadcast(torch.ones(2), src=5)  # no rank 5: the caller's mistake, not a peer's
+    except (comm.CollectiveError, ValueError) as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_local_mistake_is_not_blamed_on_other_ranks():
+    for message in run_distributed(_local_misuse, 2):
+        assert "Another rank died" not in message, message

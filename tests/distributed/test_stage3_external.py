@@ -136,3 +136,18 @@ def test_register_and_unregister_check_their_arguments():
     unregister_external_parameter(block, block.bias)
     with pytest.raises(ValueError, match="not a registered external parameter"):
         unregister_external_parameter(block, block.bias)
+
+
+def _outside_module(rank, world):
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroengine.initialize(model=TiedByFunction(register=False), config=_config())
+    try:
+        register_external_parameter(nn.Linear(2, 2), engine.module.side.weight)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_registering_on_a_module_outside_the_model_is_refused():
+    for message in run_distributed(_outside_module, 2):
+        assert "is not a module of the model this parameter belongs to" in message, message

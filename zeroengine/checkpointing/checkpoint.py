@@ -65,12 +65,13 @@ def _recomputing():
         _state.depth -= 1
 
 
-# Providers called at each segment's forward; each returns None or a context manager to enter around that
-# segment's recompute and inner backward.
-_recompute_contexts: list[Callable[[], contextlib.AbstractContextManager | None]] = []
+# Providers called at each segment's forward; each returns None or a function that makes a context manager,
+# entered around that segment's recompute and inner backward (a fresh one each time: a graph kept with
+# retain_graph=True is backpropagated, and so recomputed, more than once).
+_recompute_contexts: list[Callable[[], Callable[[], contextlib.AbstractContextManager] | None]] = []
 
 
-def register_recompute_context(provider: Callable[[], contextlib.AbstractContextManager | None]) -> None:
+def register_recompute_context(provider: Callable[[], Callable[[], contextlib.AbstractContextManager] | None]) -> None:
     """Call ``provider()`` at every checkpointed segment's forward (see the module docstring)."""
     _recompute_contexts.append(provider)
 
@@ -153,8 +154,8 @@ class CheckpointFunction(torch.autograd.Function):
         else:
             inputs = [s.restore() for s in ctx.saved_inputs]
         with contextlib.ExitStack() as held:
-            for context in ctx.held:
-                held.enter_context(context)
+            for make_context in ctx.held:
+                held.enter_context(make_context())
             with replay(ctx.rng), _autocast(ctx.autocast), torch.enable_grad(), _recomputing(), \
                     _profile.timed(segment.name, "recompute", settings.profile,
                                    settings.synchronize_checkpoint_boundary):

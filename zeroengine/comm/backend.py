@@ -21,6 +21,7 @@ from .sequence_check import CollectiveSequenceChecker
 class _State:
     checker: CollectiveSequenceChecker | None = None
     checker_generation: int = 0
+    timeout_s: float | None = None  # the process group's, when zeroengine made it
 
 
 state = _State()
@@ -59,7 +60,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     backend = backend or dist_backend or default_backend()
     # Collectives give up after ZEROENGINE_COMM_TIMEOUT (600 s) instead of hanging when a peer died; torch's
     # own default (30 min for gloo) is far too patient for a job whose launcher is already tearing it down.
-    timeout = timedelta(seconds=timeout_s or comm_timeout_s())
+    state.timeout_s = timeout_s or comm_timeout_s()
+    timeout = timedelta(seconds=state.timeout_s)
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{addr}:{port}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 from contextlib import contextmanager
 
 import torch
@@ -68,15 +69,21 @@ class CollectiveError(RuntimeError):
 
 
 def _failed(op: str, payload_bytes: int, group, label: str, exc: Exception) -> CollectiveError:
-    from .handshake import comm_timeout_s
-
     world = dist.get_world_size(group)
     what = f" for {label}" if label else ""
-    return CollectiveError(
-        f"rank {dist.get_rank()}: {op} of {payload_bytes} bytes over {world} ranks{what} failed: {exc}. Another "
-        f"rank died, is stuck, or issued a different collective (a code path taken on some ranks only); a "
-        f"collective waits ZEROENGINE_COMM_TIMEOUT ({comm_timeout_s():.0f} s). Look for the first failing "
-        "rank's own error; set \"comm_debug\": true to compare every rank's collectives.")
+    message = f"rank {dist.get_rank()}: {op} of {payload_bytes} bytes over {world} ranks{what} failed: {exc}"
+    if _REMOTE.search(str(exc)):  # a peer's fault or a timeout, not a local misuse of the call
+        waits = (f"ZEROENGINE_COMM_TIMEOUT ({state.timeout_s:.0f} s)" if state.timeout_s is not None
+                 else "the process group's timeout")
+        message += (f". Another rank died, is stuck, or issued a different collective (a code path taken on some "
+                    f"ranks only); a collective waits {waits}. Look for the first failing rank's own error; set "
+                    "\"comm_debug\": true to compare every rank's collectives.")
+    return CollectiveError(message)
+
+
+# What gloo and NCCL say when the other side is gone or late.
+_REMOTE = re.compile(r"timed? ?out|timeout|connection|closed by peer|broken pipe|reset by peer|peer|abort|"
+                     r"watchdog|ncclRemoteError|ncclSystemError", re.IGNORECASE)
 
 
 def _call(op: str, payload_bytes: int, group, run, async_op: bool, finish=None):
@@ -139,7 +146,8 @@ class _AfterWait:
         return True
 
     def is_completed(self) -> bool:
-        return self._done or (self._work is not None and self._work.is_completed())
+        """Whether the result is ready (a pending ``finish`` must run in ``wait`` first)."""
+        return self._done or (self._finish is None and self._work is not None and self._work.is_completed())
 
 
 def _flat(name: str, **tensors) -> None:

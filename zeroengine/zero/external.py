@@ -18,11 +18,11 @@ _ATTR = "_ze_external_params"  # on the module: {id(param): param}
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Fetch ``parameter`` whenever ``module`` runs forward or backward (stage 3)."""
     _check_types(module, parameter, "register_external_parameter")
-    module.__dict__.setdefault(_ATTR, {})[id(parameter)] = parameter
     from .stage3_hooks import live_hooks  # (it imports this module)
 
-    for hooks in live_hooks():  # models already hooked for stage 3 learn of it now
-        hooks.external_registered(module)
+    for hooks in live_hooks():  # models already hooked for stage 3 learn of it now (and may refuse it)
+        hooks.external_registered(module, parameter)
+    module.__dict__.setdefault(_ATTR, {})[id(parameter)] = parameter
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

@@ -59,7 +59,7 @@ from .layout import Bucket, FlatLayout
 from .param_guard import full_shape, mark_gathered, mark_partitioned
 
 
-class Stage3CollectiveError(RuntimeError):
+class Stage3CollectiveError(comm.CollectiveError):
     """A stage-3 parameter all-gather failed (typically: ranks ran different modules and desynchronised)."""
 
 
@@ -164,8 +164,8 @@ class PartitionedParamBuffer(ParamBuffer):
                 own = own.to(full.device, non_blocking=own.is_pinned())
             with ctx, torch.autograd._unsafe_preserve_version_counter(full):
                 return comm.all_gather(full, own, group=self.group, async_op=async_op)
-        except comm.CollectiveMismatchError:
-            raise  # comm_debug already names every rank's collective
+        except (comm.CollectiveMismatchError, comm.CollectiveError):
+            raise  # comm_debug names every rank's collective; a CollectiveError names this one and its module
         except RuntimeError as exc:
             raise self._desync_error(label, exc) from exc
 
@@ -184,6 +184,8 @@ class PartitionedParamBuffer(ParamBuffer):
                 self.stats.waited_in_flight += 1
             try:
                 work.wait()
+            except comm.CollectiveError:
+                raise
             except RuntimeError as exc:
                 raise self._desync_error(label, exc) from exc
             self._pending[bucket.index] = None

@@ -110,9 +110,15 @@ class Stage3Hooks:
         self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned)))
         self.handles.append(m.register_forward_hook(self._post_forward(label)))
 
-    def external_registered(self, m: torch.nn.Module) -> None:
-        """``register_external_parameter`` was called for ``m`` after this object was built."""
-        if id(m) in self._name_of and id(m) not in self._hooked:
+    def external_registered(self, m: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+        """``register_external_parameter(m, parameter)`` was called after this object was built."""
+        if id(m) not in self._name_of:
+            if id(parameter) in self._unit_of_param:
+                raise ValueError(f"register_external_parameter: the {type(m).__name__} given is not a module of the "
+                                 "model this parameter belongs to, so it never runs inside that model's forward; "
+                                 "pass the module (of engine.module) whose forward uses the parameter")
+            return
+        if id(m) not in self._hooked:
             self._attach(m, self._name_of[id(m)], ())
 
     def _units_of(self, m: torch.nn.Module, owned: tuple[int, ...]) -> tuple[int, ...]:
@@ -125,7 +131,14 @@ class Stage3Hooks:
 
     # -- hooks ---------------------------------------------------------------------
     def _begin_pass(self, _module, _args) -> None:
-        if self.trace.in_pass:
+        if self._active or any(self.in_use.values()):
+            # The model's forward starts, so no module is running: these counts are left by a forward that
+            # raised (its modules' post-hooks never ran). Forget them, or their units stay gathered for good
+            # and count as a checkpointed segment's enclosing parameters.
+            self._active.clear()
+            self.in_use.clear()
+            self.end_pass()
+        elif self.trace.in_pass:
             self.end_pass()  # a forward with no backward after it
         self.trace.begin_pass(torch.is_grad_enabled())
 
@@ -297,20 +310,19 @@ def live_hooks() -> list[Stage3Hooks]:
 
 
 def _hold_enclosing_parameters():
-    """For a checkpointed segment's forward: hold its enclosing modules' parameters during its recompute."""
+    """For a checkpointed segment's forward: what holds its enclosing modules' parameters during a recompute."""
     held = [(hooks, units) for hooks in live_hooks() if (units := hooks.running_units())]
     if not held:
         return None
-    stack = contextlib.ExitStack()
 
     @contextlib.contextmanager
     def holding_all():
-        with stack:
+        with contextlib.ExitStack() as stack:
             for hooks, units in held:
                 stack.enter_context(hooks.holding(units))
             yield
 
-    return holding_all()
+    return holding_all
 
 
 register_recompute_context(_hold_enclosing_parameters)
