@@ -118,3 +118,30 @@ def test_small_parameters_persist_whole_and_are_never_gathered_by_modules():
         # refresh after the optimizer step (all ranks then hold the updated full value)
         assert stats["gathered_numel"] == passes * (partitioned + persistent)
         assert params_bytes == 4 * (shard_numel + persistent)
+
+
+def _two_forwards(rank, world):
+    engine, opt, _, _ = zeroengine.initialize(model=make_model(), config=base_config(2, 1, world, 0.5, stage=3))
+    for i, step in enumerate(global_batches(STEPS, 1, world, 2)):
+        if i == 1:
+            opt.reset_fetch_stats()
+        x, y = step[0][rank]
+        # DPO-style: two forwards (here the micro-batch's two halves), then one backward of their combination
+        loss = 0.5 * (engine(x[:1], y[:1]) + engine(x[1:], y[1:]))
+        engine.backward(loss)
+        engine.step()
+    stats = opt.fetch_stats()  # before GatheredParameters' own gathers
+    with GatheredParameters(list(engine.module.parameters())):
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return stats, state
+
+
+def test_two_forwards_before_one_backward_record_one_pass_and_prefetch_it():
+    # Before, the second forward ended the pass: the trace was re-recorded every step and the backward
+    # gathered every module on demand.
+    results = run_distributed(_two_forwards, WORLD)
+    _check_parity([(stats, state) for stats, state in results], _reference())
+    passes = STEPS - 1
+    for stats, _ in results:
+        assert stats["trace_state"] == "replaying" and stats["trace_recordings"] == 1, stats
+        assert stats["on_demand"] == passes, stats  # only the first module of each pass waits

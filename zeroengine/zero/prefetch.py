@@ -19,6 +19,13 @@ passes each event is checked against the trace at the cursor:
 Every decision depends only on the trace and the events so far, so ranks
 that run the same modules issue the same collectives in the same order.
 Passes under ``torch.no_grad`` (evaluation) neither record nor replay.
+
+Several forwards of the model before one backward (DPO's chosen and rejected
+batches, contrastive pairs) make one pass: the model's forward marks its
+start in the trace (:data:`FORWARD_MARK`), so the pass records and replays as
+a whole. Without a backward the pass ends after :data:`MAX_FORWARDS_PER_PASS`
+forwards (a loop of forwards with grad on and no backward, e.g. evaluation
+without ``no_grad``, keeps a bounded trace).
 """
 from __future__ import annotations
 
@@ -32,6 +39,11 @@ class FetchEvent:
     module: str
     phase: str  # "forward" | "backward"
     units: tuple[int, ...]
+
+
+# The model's second, third, ... forward within one pass (an event with no units: nothing to fetch).
+FORWARD_MARK = FetchEvent("<model forward>", "forward", ())
+MAX_FORWARDS_PER_PASS = 8
 
 
 class TraceState(enum.Enum):
@@ -60,6 +72,7 @@ class ExecutionTrace:
             self.end_pass()
         self.in_pass = True
         self.cursor = 0
+        self.forwards = 1
         if not grad_enabled:
             self.state = TraceState.OFF
         elif self.events and self.state in (TraceState.REPLAYING, TraceState.OFF):
@@ -67,6 +80,15 @@ class ExecutionTrace:
         else:
             self.state = TraceState.RECORDING
             self._recording = []
+
+    def continue_pass(self) -> bool:
+        """Another forward of the model with grad on, before this pass's backward: True when it joins the
+        pass (its start goes into the trace as :data:`FORWARD_MARK`), False when a new pass must begin."""
+        if not self.in_pass or self.state is TraceState.OFF or self.forwards >= MAX_FORWARDS_PER_PASS:
+            return False
+        self.forwards += 1
+        self.observe(FORWARD_MARK)
+        return True
 
     def end_pass(self) -> None:
         if not self.in_pass:

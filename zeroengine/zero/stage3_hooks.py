@@ -131,7 +131,7 @@ class Stage3Hooks:
 
     # -- hooks ---------------------------------------------------------------------
     def _begin_pass(self, _module, _args) -> None:
-        if self._active or any(self.in_use.values()):
+        if any(self._active.values()) or any(self.in_use.values()):
             # The model's forward starts, so no module is running: these counts are left by a forward that
             # raised (its modules' post-hooks never ran). Forget them, or their units stay gathered for good
             # and count as a checkpointed segment's enclosing parameters.
@@ -139,6 +139,12 @@ class Stage3Hooks:
             self.in_use.clear()
             self.end_pass()
         elif self.trace.in_pass:
+            if torch.is_grad_enabled():
+                was_replaying = self.trace.replaying
+                if self.trace.continue_pass():  # another forward before the backward: the same pass
+                    if was_replaying and not self.trace.replaying:
+                        self._release_idle(tuple(self.prefetched | self.kept))  # fetched for the old order
+                    return
             self.end_pass()  # a forward with no backward after it
         self.trace.begin_pass(torch.is_grad_enabled())
 
@@ -283,7 +289,9 @@ class Stage3Hooks:
     def on_bucket_grads_ready(self, bucket: Bucket) -> None:
         u = self._trainable_unit[bucket.index]
         if self.in_use[u] == 0:
-            self._release(u)
+            # Usually the unit's last use in the pass; not when the recorded pass backpropagates through its
+            # module again (two forwards before one backward), and then it is kept as after a forward.
+            self._release_or_keep(u)
 
     def end_pass(self) -> None:
         """End of backward (or a forward nobody backpropagated): anything still gathered is freed."""
