@@ -111,14 +111,25 @@ def test_offloaded_optimizer_with_experts_matches_single_process(ratio):
             torch.testing.assert_close(value, ref[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-def stage3_refused(rank, world):
-    with pytest.raises(ConfigError, match="zero_optimization.stage"):
-        _engine(rank, world, 3, 2, 0.0)
-    return True
+def stage3_refused(rank, world, ep_size, frozen):
+    model = make_model(ep_size)
+    if frozen:  # tuning the rest with the experts frozen: the optimizer steps no expert parameter
+        for p in model.parameters():
+            if is_expert_param(p):
+                p.requires_grad_(False)
+    cfg = base_config(2, 1, world, 0.0, stage=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match="zero_optimization.stage.*does not support MoE layers"):
+        zeroengine.initialize(model=model, config=cfg)
+    # refused before anything was partitioned: the model is as it was
+    return all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
 
 
-def test_stage3_with_experts_is_refused():
-    assert run_distributed(stage3_refused, 2) == [True, True]
+@pytest.mark.parametrize("ep_size,frozen", [(2, False), (2, True), (1, True)])
+def test_stage3_with_experts_is_refused(ep_size, frozen):
+    # Frozen experts were accepted before: at ep_size 2 each rank's experts were overwritten by others' values
+    # at initialize, and at ep_size 1 the router's partitioned weight failed in forward.
+    assert run_distributed(stage3_refused, 2, ep_size, frozen) == [True, True]
 
 
 def checkpoint_round_trip(rank, world, tmp, stage):

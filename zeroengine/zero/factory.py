@@ -43,13 +43,15 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
         raise ConfigError("zero_optimization.stage", f"the model was built under zeroengine.zero.Init, which "
                           f"partitions its parameters for ZeRO stage 3, but the config asks for stage {stage}; "
                           "use stage 3, or build the model without Init")
+    if stage == 3 and _has_moe(module):
+        # Checked on the model, not on what the optimizer steps: frozen experts (ranks hold different ones
+        # under ep_size > 1) would be partitioned as if replicated, and the router reads its weight directly.
+        raise ConfigError("zero_optimization.stage", "stage 3 does not support MoE layers yet (expert parameters "
+                          "would be partitioned over the whole world, trainable or frozen); use stage 0, 1 or 2")
     # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
     stepped = {id(p) for p in _optimizer_params(optimizer)}
     domains = split_domains([p for p in reversed(list(module.parameters())) if id(p) in stepped])
     if domains:
-        if stage == 3:
-            raise ConfigError("zero_optimization.stage", "stage 3 does not support MoE expert parameters yet "
-                              "(they would be partitioned over the whole world); use stage 0, 1 or 2")
         if stage == 0:
             return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
                                  domains)
@@ -84,6 +86,13 @@ def check_shardable(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
                       f"{name} is not known to be elementwise, and ZeRO stages 1-3 step flat shards of each "
                       f"parameter; use one of {', '.join(_ELEMENTWISE)}, stage 0, or set "
                       "zero_allow_untested_optimizer: true if its update is elementwise")
+
+
+def _has_moe(module: torch.nn.Module) -> bool:
+    from zeroengine.moe.layer import MoE
+    from zeroengine.moe.params import is_expert_param
+
+    return any(isinstance(m, MoE) for m in module.modules()) or any(is_expert_param(p) for p in module.parameters())
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
