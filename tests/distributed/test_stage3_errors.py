@@ -202,3 +202,34 @@ def test_gathered_parameters_entered_on_one_rank_only_is_named_by_every_rank():
     for message in run_distributed(_gathered_on_rank0_only, 2, timeout_s=120):
         line = message.split("\n  rank 0: ")[1].split("\n")[0]
         assert "for zeroengine.zero.GatheredParameters (collective: every rank must enter it)" in line, message
+
+
+# -- assigning .data -------------------------------------------------------------------------------
+
+def _assign_data(rank, world):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeroengine.initialize(model=nn.Linear(4, 4), config=cfg)
+    weight = engine.module.weight
+    outside = _raises(lambda: setattr(weight, "data", torch.ones(4, 4)))
+    engine.module.to(torch.float32)  # a no-op conversion assigns the placeholder back: still fine
+    with GatheredParameters([weight], modifier_rank=0):
+        if rank == 0:
+            weight.data = torch.full((4, 4), 2.0)  # the modifier's replacement is kept ...
+    with GatheredParameters([weight]):
+        kept = weight.detach().clone()
+        weight.data = torch.full((4, 4), 3.0)  # ... a read-only block's is dropped
+    with GatheredParameters([weight]):
+        dropped = weight.detach().clone()
+    engine.backward(engine(torch.ones(1, 4)).sum())  # and the parameter still trains from the bucket
+    engine.step()
+    return outside, kept, dropped
+
+
+def test_assigning_data_is_refused_outside_and_kept_for_the_modifier_inside_gathered_parameters():
+    # Before, `param.data = t` on a partitioned parameter was silently lost, inside GatheredParameters too.
+    for outside, kept, dropped in run_distributed(_assign_data, 2):
+        assert "`weight.data = ...`" in outside and "GatheredParameters([param], modifier_rank=0)" in outside
+        assert torch.equal(kept, torch.full((4, 4), 2.0)) and torch.equal(dropped, kept)

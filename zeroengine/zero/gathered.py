@@ -98,6 +98,8 @@ class GatheredParameters:
         if not self.enabled:
             return False
         for buffer, bucket, owner, was_gathered, snapshot in self._gathered:
+            # `p.data = new` inside the block: the modifier's new values go into the bucket (then broadcast)
+            buffer.take_replaced_data(bucket, keep_values=self.modifier_rank == buffer.rank and exc_type is None)
             if snapshot is not None:
                 with torch.no_grad():
                     buffer.full[bucket.index].copy_(snapshot)

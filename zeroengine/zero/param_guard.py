@@ -72,7 +72,7 @@ _FULL_METADATA = {
 # Run on the placeholder itself: they do not read values.
 _PASS_THROUGH = frozenset({
     "dtype.__get__", "device.__get__", "layout.__get__", "requires_grad.__get__", "requires_grad.__set__",
-    "requires_grad_", "is_leaf.__get__", "grad.__get__", "grad.__set__", "grad_fn.__get__", "data.__set__",
+    "requires_grad_", "is_leaf.__get__", "grad.__get__", "grad.__set__", "grad_fn.__get__",
     "is_floating_point", "is_complex", "element_size", "untyped_storage", "is_cuda.__get__", "is_cpu.__get__",
     "is_meta.__get__", "is_sparse.__get__", "is_quantized.__get__", "is_nested.__get__", "_is_view",
     "__hash__", "_has_compatible_shallow_copy_type", "register_hook", "register_post_accumulate_grad_hook",
@@ -102,8 +102,10 @@ class PartitionedParameter(torch.nn.Parameter):
                 return answer(info, *args[1:], **kwargs)
             if name == "__repr__" or name == "__format__":
                 return describe(target)
+        if name == "data.__set__" and target is args[0] and _sets_values(args[1]):
+            raise PartitionedParameterError(_replaced_data_message(target))
         with torch._C.DisableTorchFunctionSubclass():
-            if target is None or name in _PASS_THROUGH:
+            if target is None or name in _PASS_THROUGH or name == "data.__set__":
                 return func(*args, **kwargs)
             if name in _CONVERSIONS and target is args[0]:
                 converted = func(*args, **kwargs)
@@ -154,6 +156,22 @@ def _message(p, op: str) -> str:
             f"modifier_rank=...)` (collective: every rank enters it), or use "
             f"zeroengine.zero.safe_get_full_fp32_param(param) / safe_set_full_fp32_param(param, value)."
             + in_backward)
+
+
+def _sets_values(new) -> bool:
+    """Whether ``p.data = new`` would give a partitioned parameter values of its own. Not when ``new`` is the
+    parameter itself or an empty placeholder: ``module.to(...)`` assigns the (converted) placeholder back."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return isinstance(new, torch.Tensor) and not isinstance(new, PartitionedParameter) and new.numel() > 0
+
+
+def _replaced_data_message(p) -> str:
+    info = p._ze
+    return (f"`{info.name}.data = ...`: parameter {info.name!r} (shape {tuple(info.shape)}) is partitioned across "
+            f"ranks by ZeRO stage 3, and its values live in that partitioned storage, so the new tensor would be "
+            f"lost. Set it inside `with zeroengine.zero.GatheredParameters([param], modifier_rank=0):` (collective: "
+            f"every rank enters it; there `param.data = t` or `param.copy_(t)` under torch.no_grad() on rank 0 "
+            f"is kept), or with zeroengine.zero.safe_set_full_fp32_param(param, value).")
 
 
 def mark_partitioned(p: torch.nn.Parameter, name: str | None = None, shape: torch.Size | None = None) -> None:

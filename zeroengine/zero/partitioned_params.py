@@ -251,19 +251,43 @@ class PartitionedParamBuffer(ParamBuffer):
         else:
             storage.untyped_storage().resize_(0)
 
+    def _slot_view(self, bucket: Bucket, slot) -> torch.Tensor:
+        start = slot.flat_start - bucket.flat_start
+        return self.full[bucket.index][start:start + slot.numel].view(self.shapes[slot.index])
+
     def _point_at_full(self, bucket: Bucket) -> None:
-        full = self.full[bucket.index]
         for slot in bucket.slots:
-            start = slot.flat_start - bucket.flat_start
             p = self.params[slot.index]
-            p.data = full[start:start + slot.numel].view(self.shapes[slot.index])
+            with torch._C.DisableTorchFunctionSubclass():  # the guard refuses .data = ... from user code
+                p.data = self._slot_view(bucket, slot)
             mark_gathered(p)
 
     def _point_at_nothing(self, bucket: Bucket) -> None:
         for slot in bucket.slots:
             p = self.params[slot.index]
-            p.data = self._empty
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = self._empty
             mark_partitioned(p, self.names[slot.index], self.shapes[slot.index])
+
+    def take_replaced_data(self, bucket: Bucket, keep_values: bool) -> None:
+        """After user code ran on the gathered bucket (GatheredParameters): a parameter whose ``.data`` was
+        replaced (``p.data = t``) no longer views the bucket, so the edit would be lost. With ``keep_values``
+        (the modifier rank) its new values are copied into the bucket; on every rank it views the bucket
+        again."""
+        for slot in bucket.slots:
+            p = self.params[slot.index]
+            view = self._slot_view(bucket, slot)
+            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:
+                continue
+            if keep_values:
+                if p.shape != view.shape:
+                    raise ValueError(f"GatheredParameters: {self.names[slot.index]}.data was replaced by a tensor of "
+                                     f"shape {tuple(p.shape)}; a partitioned parameter keeps its shape "
+                                     f"{tuple(view.shape)}")
+                with torch.no_grad():
+                    view.copy_(p.detach())
+            with torch._C.DisableTorchFunctionSubclass():
+                p.data = view
 
     def _desync_error(self, label: str, exc: Exception) -> Stage3CollectiveError:
         return Stage3CollectiveError(
