@@ -190,18 +190,19 @@ def test_loading_where_nothing_was_saved_returns_none(tmp_path):
     assert run_distributed(load_missing, 1, str(tmp_path)) == [(None, None)]
 
 
-def resave_same_tag(rank, world, save_dir):
+def save_twice(rank, world, save_dir, first, second):
+    """Train a step, save under ``first``, train another, save under ``second``."""
     engine = _engine(world)
     train(engine, rank, world, 0, 1)
-    engine.save_checkpoint(save_dir, tag="t")
+    engine.save_checkpoint(save_dir, tag=first)
     train(engine, rank, world, 1, 1)
-    engine.save_checkpoint(save_dir, tag="t")
+    engine.save_checkpoint(save_dir, tag=second)
     return full_state(engine)
 
 
 def test_saving_again_under_a_tag_replaces_it_whole(tmp_path):
     save_dir = str(tmp_path / "run")
-    latest_state = run_distributed(resave_same_tag, 2, save_dir)[0]
+    latest_state = run_distributed(save_twice, 2, save_dir, "t", "t")[0]
     _, steps, loaded = run_distributed(load_world1, 1, save_dir)[0]
     assert steps == 2 and all(torch.equal(loaded[k], v) for k, v in latest_state.items())
     assert sorted(os.listdir(save_dir)) == ["latest", "t"]
@@ -252,14 +253,6 @@ def test_load_dir_edge_cases_get_named_answers(tmp_path):
     assert mf.resolve_tag_dir(str(tmp_path / "nothing"), None) is None  # nothing there: (None, None), as DeepSpeed
 
 
-def save_two_tags(rank, world, save_dir):
-    engine = _engine(world)
-    train(engine, rank, world, 0, 1)
-    engine.save_checkpoint(save_dir, tag="A")
-    train(engine, rank, world, 1, 1)
-    engine.save_checkpoint(save_dir, tag="B")
-
-
 def load_by_rank(rank, world, load_dirs, tags):
     engine = _engine(world)
     before = full_state(engine)
@@ -276,7 +269,7 @@ def test_ranks_loading_different_checkpoints_is_refused_by_every_rank(tmp_path, 
     # Before, each rank silently loaded its own tag and the next step mixed two checkpoints into one model.
     save_dir, empty = str(tmp_path / "run"), str(tmp_path / "empty")
     os.makedirs(empty)
-    run_distributed(save_two_tags, 2, save_dir)
+    run_distributed(save_twice, 2, save_dir, "A", "B")
     dirs, tags, rank1 = {
         "tags differ": ([save_dir, save_dir], ["A", "B"], "tag 'B' saved"),
         "latest differs": ([save_dir, save_dir], ["A", None], "tag 'B' saved"),  # rank 1 follows 'latest'
