@@ -3,6 +3,7 @@ real 2-rank model-parallel group."""
 import itertools
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -234,3 +235,41 @@ def _retain_twice_and_recover(rank, world):
 def test_a_segment_recomputed_by_two_backwards_and_a_forward_that_raised_leave_nothing_held():
     for stale, running, released in run_distributed(_retain_twice_and_recover, 2):
         assert stale and running == () and released
+
+
+class _PositionEmbedded(torch.nn.Module):
+    """A root that adds its own parameter before a checkpointed block (a ViT's pos_embed)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 32)
+        self.pos = torch.nn.Parameter(torch.randn(1, 16, 32) * 0.02)
+        self.block = Block(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, idx, y):
+        h = checkpointing.checkpoint(self.block, self.emb(idx) + self.pos)
+        return torch.nn.functional.cross_entropy(self.head(h).view(-1, 64), y.view(-1))
+
+
+def _position_embedded(rank, world, stage):
+    engine, _, _, _ = zeroengine.initialize(model=_PositionEmbedded(), config=base_config(2, 1, world, 1.0,
+                                                                                          stage=stage))
+    losses = []
+    for step in global_batches(2, 1, world, 2):
+        x, y = step[0][rank]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_recompute_hold_leaves_units_it_did_not_gather_to_their_backward():
+    # The hold around the recompute released `pos` (gathered by the root's backward, its gradient not yet
+    # accumulated): its gradient then met an empty parameter.
+    want = run_distributed(_position_embedded, 2, 0)
+    got = run_distributed(_position_embedded, 2, 3)
+    for a, b in zip(want, got):
+        assert a == pytest.approx(b, abs=1e-6)

@@ -292,3 +292,33 @@ def _int_param(rank, world, save_dir):
 def test_integer_parameters_stay_whole_and_exact(tmp_path):
     for dtype, big in run_distributed(_int_param, 2, str(tmp_path / "run")):
         assert dtype == torch.int64 and big == [16777217]
+
+
+def _forward_inside_gathered(rank, world):
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=_config(world))
+    x, y = _batches(1, world)[0]
+    params = list(engine.module.parameters())
+    with torch.no_grad(), GatheredParameters(params):
+        loss = engine.module(x, y, use_sometimes=True)  # e.g. generate() or an evaluation inside the block
+        still_whole = engine.module.shared.weight.sum().item()  # the forward's hooks must not release it
+    with GatheredParameters([engine.module.shared.weight], modifier_rank=0):
+        engine.module(x, y, use_sometimes=True)
+        if rank == 0:
+            with torch.no_grad():
+                engine.module.shared.weight.fill_(0.25)
+    with GatheredParameters([engine.module.shared.weight]):
+        edited = engine.module.shared.weight.detach().clone()
+    return loss.item(), still_whole, edited, engine.memory_breakdown()["params"], engine.optimizer.layout.shard_numel * 4
+
+
+def test_a_forward_inside_gathered_parameters_keeps_them_gathered_until_the_block_ends():
+    # Before, the forward's hooks released the block's buckets: reading a parameter after it raised, and the
+    # exit crashed (a None bucket), losing a modifier's edit.
+    ref = _model()
+    x, y = _batches(1, 2)[0]
+    with torch.no_grad():
+        want = ref(x, y, use_sometimes=True).item()
+    for loss, whole, edited, held, shard_bytes in run_distributed(_forward_inside_gathered, 2):
+        assert abs(loss - want) < 1e-6 and abs(whole - ref.shared.weight.sum().item()) < 1e-5
+        assert torch.equal(edited, torch.full((D, D), 0.25))
+        assert held == shard_bytes  # released on exit

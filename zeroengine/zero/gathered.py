@@ -88,6 +88,7 @@ class GatheredParameters:
             bucket = buffer.layout.buckets[index]
             was_gathered = buffer.is_gathered(bucket)
             buffer.gather(bucket, GATHERED_PARAMETERS_LABEL)
+            buffer.pin(bucket)  # a forward inside the block (generate, evaluation) must not release it
             # Read-only (no modifier_rank): edits are dropped on exit, as DeepSpeed does. A bucket that was
             # already gathered (persistent, or kept) would keep them in this rank's live copy only.
             snapshot = buffer.full[bucket.index].clone() if was_gathered and self.modifier_rank is None else None
@@ -98,6 +99,7 @@ class GatheredParameters:
         if not self.enabled:
             return False
         for buffer, bucket, owner, was_gathered, snapshot in self._gathered:
+            buffer.unpin(bucket)
             # `p.data = new` inside the block: the modifier's new values go into the bucket (then broadcast)
             buffer.take_replaced_data(bucket, keep_values=self.modifier_rank == buffer.rank and exc_type is None)
             if snapshot is not None:

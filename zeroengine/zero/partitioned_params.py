@@ -118,6 +118,8 @@ class PartitionedParamBuffer(ParamBuffer):
         self._storage: list[torch.Tensor | None] = [None] * len(layout.buckets)
         # Buckets whose memory a tensor outside the buffer still views (see leave_memory_to_views).
         self._viewed: set[int] = set()
+        # Buckets a GatheredParameters block holds: a forward inside it must not release them under the user.
+        self._pinned: dict[int, int] = {}
         self._pending: list[object | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=self.device)
         self._release_pages = host_memory.return_freed_memory() and host_memory.can_drop_pages(self._empty)
@@ -196,8 +198,21 @@ class PartitionedParamBuffer(ParamBuffer):
             return
         self._point_at_full(bucket)
 
+    def pin(self, bucket: Bucket) -> None:
+        """Keep ``bucket`` gathered until :meth:`unpin` (the module hooks' releases pass it by)."""
+        self._pinned[bucket.index] = self._pinned.get(bucket.index, 0) + 1
+
+    def unpin(self, bucket: Bucket) -> None:
+        left = self._pinned[bucket.index] - 1
+        if left:
+            self._pinned[bucket.index] = left
+        else:
+            del self._pinned[bucket.index]
+
     def release(self, bucket: Bucket, force: bool = False) -> None:
         if self.full[bucket.index] is None or (bucket.index in self.persistent and not force):
+            return
+        if bucket.index in self._pinned and not force:
             return
         if self._pending[bucket.index] is not None:  # its buffer is being written: finish first
             self._pending[bucket.index].wait()
@@ -274,6 +289,8 @@ class PartitionedParamBuffer(ParamBuffer):
         replaced (``p.data = t``) no longer views the bucket, so the edit would be lost. With ``keep_values``
         (the modifier rank) its new values are copied into the bucket; on every rank it views the bucket
         again."""
+        if self.full[bucket.index] is None:
+            return
         for slot in bucket.slots:
             p = self.params[slot.index]
             view = self._slot_view(bucket, slot)

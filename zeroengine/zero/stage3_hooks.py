@@ -268,20 +268,24 @@ class Stage3Hooks:
 
     @contextlib.contextmanager
     def holding(self, units: tuple[int, ...]):
-        """Keep ``units`` gathered for the block (a segment's recompute and its inner backward)."""
+        """Keep ``units`` gathered for the block (a segment's recompute and its inner backward). Only units
+        the hold had to gather are released after it: one already gathered belongs to whoever gathered it
+        (a backward still needs it for a gradient the segment does not produce, e.g. a position embedding
+        its module added before the segment)."""
+        gathered_here = []
         for u in units:
             unit = self.units[u]
             if not unit.buffer.is_fetched(unit.bucket):
                 self._make_room(unit.numel, keep=units)
+                gathered_here.append(u)
             unit.buffer.gather(unit.bucket, "activation checkpoint recompute")
-            self.prefetched.discard(u)
-            self.kept.discard(u)
             self.in_use[u] += 1
         try:
             yield
         finally:
             for u in units:
                 self.in_use[u] -= 1
+            for u in gathered_here:
                 if self.in_use[u] == 0:
                     self._release_or_keep(u)
 
