@@ -74,3 +74,45 @@ def test_partially_frozen_model_matches_the_reference_and_frozen_params_stay_unt
         assert state_numel == trainable_numel  # optimizer state for trainable elements only, across ranks
         assert live == 0  # nothing stays gathered after a step
         assert frozen_shard > 0 and held == 4 * (shard + frozen_shard)  # frozen params are partitioned too
+
+
+class _ScaledTwice(torch.nn.Module):
+    """A module with a frozen parameter, called on its own output: m(m(x))."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.s = torch.nn.Parameter(torch.full((4,), 0.5), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.s
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.m = _ScaledTwice()
+
+    def forward(self, x):
+        return self.m(self.m(x)).pow(2).mean()
+
+
+def _called_twice(rank, world, stage):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeroengine.initialize(model=_Twice(), config=cfg)
+    losses = []
+    for i in range(2):
+        loss = engine(torch.randn(2, 4, generator=torch.Generator().manual_seed(i)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_frozen_parameter_of_a_module_called_on_its_own_output():
+    # The outer call's backward released the frozen unit while the inner call's backward still needed it.
+    for got, want in zip(run_distributed(_called_twice, 2, 3), run_distributed(_called_twice, 2, 0)):
+        assert got == pytest.approx(want, abs=1e-7)

@@ -87,6 +87,7 @@ class Stage3Hooks:
         self._name_of = {id(m): name for name, m in module.named_modules()}  # this model's modules
         self._hooked: set[int] = set()
         self._active: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # units fetched per running call
+        self._frozen_pending: dict[int, int] = defaultdict(int)  # frozen unit -> calls whose backward is to come
         owned_by: dict[str, set[int]] = defaultdict(set)
         runs = {}
         for name, m in module.named_modules():
@@ -157,16 +158,11 @@ class Stage3Hooks:
             self._need(FetchEvent(label, "forward", units))
             for u in units:
                 self.in_use[u] += 1
-            frozen = tuple(u for u in units if not self.units[u].trainable)
-            if frozen and torch.is_grad_enabled():
-                inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if inputs:  # the module's backward is over once its input gradients exist
-                    register_multi_grad_hook(inputs, lambda _grads: self._release_idle(frozen), mode="all")
 
         return hook
 
     def _post_forward(self, label: str):
-        def hook(module, _args, output):
+        def hook(module, args, output):
             stack = self._active[id(module)]
             units = stack.pop() if stack else ()
             if not units:
@@ -185,6 +181,7 @@ class Stage3Hooks:
                 if outputs:
                     register_multi_grad_hook(outputs, lambda _grads: self._need(FetchEvent(label, "backward", units)),
                                              mode="any")
+                    self._frozen_until_backward_done(units, args)
 
         return hook
 
@@ -297,8 +294,30 @@ class Stage3Hooks:
             # module again (two forwards before one backward), and then it is kept as after a forward.
             self._release_or_keep(u)
 
+    def _frozen_until_backward_done(self, units: tuple[int, ...], args) -> None:
+        """This call will come back in backward: its frozen units (released by no gradient of their own) stay
+        until its backward is over, i.e. its input gradients exist, or the pass ends."""
+        frozen = tuple(u for u in units if not self.units[u].trainable)
+        if not frozen:
+            return
+        for u in frozen:
+            self._frozen_pending[u] += 1
+        inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            register_multi_grad_hook(inputs, lambda _grads: self._frozen_backward_done(frozen), mode="all")
+
+    def _frozen_backward_done(self, frozen: tuple[int, ...]) -> None:
+        """One call's backward is over: its frozen units go once no other call's backward still needs them
+        (``m(m(x))``: the outer call finishes first, while the inner one's backward is about to use them)."""
+        for u in frozen:
+            self._frozen_pending[u] -= 1
+            if self._frozen_pending[u] <= 0:
+                del self._frozen_pending[u]
+                self._release_idle((u,))
+
     def end_pass(self) -> None:
         """End of backward (or a forward nobody backpropagated): anything still gathered is freed."""
+        self._frozen_pending.clear()
         self.trace.end_pass()
         self._release_idle(range(len(self.units)))
         self.prefetched.clear()
