@@ -215,6 +215,42 @@ def test_autocast_state_is_replayed():
     torch.testing.assert_close(lin.weight.grad, ref_grad, atol=0, rtol=0)
 
 
+def test_an_autocast_around_backward_only_stays_out_of_the_recompute():
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))  # the recomputed tanh feeds a gradient
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = lin(x).pow(2).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (on CPU it reaches the backward's own matmuls)
+        loss.backward()
+    ref_grad = lin[2].weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    loss = checkpointing.checkpoint(lin, x).pow(2).sum()  # forward in fp32 ...
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss.backward()  # ... so the recompute is fp32 too, as the plain forward was
+    torch.testing.assert_close(lin[2].weight.grad, ref_grad, atol=0, rtol=0)
+
+
+def test_stashed_inputs_are_freed_after_backward_and_the_arena_does_not_grow():
+    # Before, the lease went back only when the node died: in a usual loop the previous loss keeps it alive,
+    # so every step took a new slot and the contiguous buffer doubled again and again.
+    from zeroengine.checkpointing.storage import arenas
+
+    checkpointing.configure(partition_activations=True, cpu_checkpointing=True, contiguous_memory_optimization=True,
+                            number_checkpoints=1)
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    sizes, loss = [], None
+    for _ in range(6):
+        loss = checkpointing.checkpoint(lin, torch.randn(4, 8, requires_grad=True)).sum()  # the old loss lives on
+        loss.backward()
+        sizes.append(sum(a.buffer.numel() for a in arenas().values() if a.buffer is not None))
+    assert len(set(sizes)) == 1, sizes
+    out = checkpointing.checkpoint(lin, torch.randn(4, 8, requires_grad=True)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True needs these options off"):
+        out.backward()
+
+
 def test_no_grad_is_a_plain_call_and_autograd_grad_is_refused():
     block = Block(CFG)
     x = torch.randn(1, 4, CFG.n_embd, requires_grad=True)

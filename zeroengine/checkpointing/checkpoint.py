@@ -82,9 +82,15 @@ def _autocast_state() -> list[tuple[str, torch.dtype]]:
 
 @contextlib.contextmanager
 def _autocast(states: list[tuple[str, torch.dtype]]):
+    """Exactly the forward's autocast state: its enabled devices on, the others off (an autocast active only
+    around backward must not reach the recompute)."""
+    enabled = dict(states)
     with contextlib.ExitStack() as stack:
-        for device_type, dtype in states:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        for device_type in ("cpu", "cuda"):
+            if device_type in enabled:
+                stack.enter_context(torch.autocast(device_type, dtype=enabled[device_type]))
+            elif torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
 
 
@@ -149,6 +155,10 @@ class CheckpointFunction(torch.autograd.Function):
                                "not torch.autograd.grad()")
         settings = current()
         segment: _Segment = ctx.segment
+        if getattr(ctx, "inputs_freed", False):
+            raise RuntimeError("zeroengine.checkpointing: a second backward through a checkpointed segment whose "
+                               "inputs were partitioned, moved to CPU or packed contiguously (they are freed after "
+                               "the first backward, as in DeepSpeed): retain_graph=True needs these options off")
         if ctx.saved_inputs is None:
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         else:
@@ -164,6 +174,11 @@ class CheckpointFunction(torch.autograd.Function):
             pairs = [(o, g) for o, g in zip(out_tensors, grads) if o.requires_grad and g is not None]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if ctx.saved_inputs is not None:
+            # Stashed inputs are ours to free: the node lives on while the loss does (until the next forward
+            # in a usual loop), and would hold them, and their arena slots, a step too long.
+            ctx.saved_inputs, ctx.inputs_freed = [], True
+            ctx.lease.give_back_now()
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 
 

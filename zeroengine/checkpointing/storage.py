@@ -78,16 +78,22 @@ def release_arenas() -> None:
 
 
 class Lease:
-    """The arena slots one checkpointed segment holds; given back when the segment's autograd node dies."""
+    """The arena slots one checkpointed segment holds; given back after its backward (:meth:`give_back_now`),
+    or when its autograd node dies without one."""
 
     def __init__(self):
         self._arenas: list[Arena] = []
+        self._finalizer = None
 
     def take(self, arena: Arena, numel: int, slots_hint: int) -> torch.Tensor:
-        if not self._arenas:
-            weakref.finalize(self, Lease._give_back, self._arenas)
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(self, Lease._give_back, self._arenas)
         self._arenas.append(arena)
         return arena.take(numel, slots_hint)
+
+    def give_back_now(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs once: a later collection of this lease gives nothing back twice
 
     @staticmethod
     def _give_back(taken: list[Arena]) -> None:
