@@ -326,3 +326,30 @@ def test_initialize_configures_from_the_section(caplog):
     without_section = {k: v for k, v in config.items() if k != "activation_checkpointing"}
     zeroengine.initialize(model=nn.Linear(2, 2), config=without_section)
     assert checkpointing.current().profile
+
+
+def test_initialize_without_mpu_keeps_the_scripts_own_configure_with_its_group():
+    # Megatron-DeepSpeed's order: configure(mpu, deepspeed_config=..., ...) first, then initialize(mpu=None).
+    # Before, initialize reconfigured from the section and dropped the group and the explicit options.
+    class MPU:
+        def get_model_parallel_group(self):
+            return None
+
+        def get_model_parallel_world_size(self):
+            return 2
+
+        def get_model_parallel_rank(self):
+            return 0
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "activation_checkpointing": {"partition_activations": True}}
+    checkpointing.configure(MPU(), deepspeed_config=config, checkpoint_in_cpu=True)
+    zeroengine.initialize(model=nn.Linear(2, 2), config=config)
+    s = checkpointing.current()
+    assert s.partitions == 2 and s.cpu_checkpointing
+    # settings an earlier initialize made are replaced by the next one's section
+    checkpointing.reset()
+    zeroengine.initialize(model=nn.Linear(2, 2), config=config)
+    config["activation_checkpointing"] = {"cpu_checkpointing": True}
+    zeroengine.initialize(model=nn.Linear(2, 2), config=config)
+    assert checkpointing.current().cpu_checkpointing and not checkpointing.current().partition_activations

@@ -15,6 +15,7 @@ from ``deepspeed_config`` come first and explicit arguments override them.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class Settings:
     mp_world_size: int = 1
     mp_rank: int = 0
     configured: bool = False
+    by_initialize: bool = False  # set from a config by initialize(), not by the script's own configure()
 
     @property
     def partitions(self) -> int:
@@ -150,7 +152,13 @@ def configure_from_initialize(cfg: ZeroEngineConfig, mpu) -> None:
     section keeps its settings, as with DeepSpeed (whose Megatron users call
     ``deepspeed.checkpointing.configure`` directly).
     """
+    global _SETTINGS
     if _SECTION not in cfg.model_fields_set and mpu is None:
+        return
+    if mpu is None and is_configured() and not _SETTINGS.by_initialize:
+        # The script called configure(mpu, ...) itself (Megatron's order, which passes no mpu to initialize):
+        # its group and options stand, as in DeepSpeed, whose initialize never reconfigures checkpointing.
+        logger.info("activation_checkpointing: keeping the script's own checkpointing.configure() settings")
         return
     if _SECTION not in cfg.model_fields_set and is_configured():
         # Keep the script's own options; only the model-parallel group is new.
@@ -158,6 +166,7 @@ def configure_from_initialize(cfg: ZeroEngineConfig, mpu) -> None:
         configure(mpu, **keep)
     else:
         configure(mpu, deepspeed_config=cfg.activation_checkpointing)
+    _SETTINGS = dataclasses.replace(_SETTINGS, by_initialize=True)
     if _SETTINGS.mp_world_size > 1:
         logger.warning("initialize(mpu=...): the model-parallel group is used to partition saved activations only; "
                        "ZeRO still treats every rank as data-parallel")
