@@ -322,3 +322,22 @@ def test_a_forward_inside_gathered_parameters_keeps_them_gathered_until_the_bloc
         assert abs(loss - want) < 1e-6 and abs(whole - ref.shared.weight.sum().item()) < 1e-5
         assert torch.equal(edited, torch.full((D, D), 0.25))
         assert held == shard_bytes  # released on exit
+
+
+def _modifier_at_stage2(rank, world):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zeroengine").addHandler(handler)
+    cfg = {**_config(world), "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=cfg)
+    with GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+        pass
+    return [r.getMessage() for r in records if "pass through untouched" in r.getMessage()]
+
+
+def test_a_modifier_block_over_unpartitioned_parameters_warns_that_edits_stay_on_one_rank():
+    for messages in run_distributed(_modifier_at_stage2, 2):
+        assert len(messages) == 1 and "Load or edit them on every rank" in messages[0], messages

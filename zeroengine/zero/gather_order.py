@@ -125,7 +125,9 @@ class GatherOrderCheck:
             f"rank {self.rank}: ranks diverged at stage-3 check #{self.count}; each was about to fetch parameters "
             "for something else:\n" + "\n".join(lines) + "\nEvery rank must run the same modules in the same "
             "order (a module skipped or called on some ranks only, e.g. under a data-dependent branch, "
-            "desynchronises stage 3's gathers). Nothing was gathered: the step cannot continue.")
+            "desynchronises stage 3's gathers; Hugging Face generate() on several ranks needs synced_gpus=True, "
+            "so a rank that finishes early keeps running forwards with the others). Nothing was gathered: the "
+            "step cannot continue.")
 
     def _describe(self, kind: int, tag: int, bucket: int, key: int, phase: int, _units_key: int) -> str:
         names = self.bucket_names.get(tag, [])

@@ -83,6 +83,10 @@ class GatheredParameters:
             if entry is not None:
                 buffer, index, owner, _ = entry
                 seen[(id(buffer), index)] = (buffer, index, owner)
+        passed_through = sum(1 for p in self.params if isinstance(p, torch.Tensor) and not is_init_partitioned(p)
+                             and _stage3_entry(p) is None)
+        if passed_through and self.modifier_rank is not None and comm.get_world_size() > 1:
+            _warn_passed_through(passed_through, self.modifier_rank)
         # The same order on every rank: the gathers are collectives.
         for _, (buffer, index, owner) in sorted(seen.items(), key=lambda kv: kv[0][1]):
             bucket = buffer.layout.buckets[index]
@@ -130,3 +134,19 @@ class GatheredParameters:
             mark_partitioned(p)
         self._init_gathered = []
         return False
+
+
+_warned_passed_through = False
+
+
+def _warn_passed_through(count: int, modifier_rank: int) -> None:
+    global _warned_passed_through
+    if _warned_passed_through:
+        return
+    _warned_passed_through = True
+    from zeroengine.progress import get_logger
+
+    get_logger().warning(
+        f"GatheredParameters(modifier_rank={modifier_rank}): {count} of the parameters are not partitioned (ZeRO "
+        f"stages 0-2, or not in the engine) and pass through untouched, as in DeepSpeed: an edit made on rank "
+        f"{modifier_rank} only stays there. Load or edit them on every rank (this is logged once)")
