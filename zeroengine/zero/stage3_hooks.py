@@ -179,9 +179,14 @@ class Stage3Hooks:
             if torch.is_grad_enabled():
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outputs:
-                    register_multi_grad_hook(outputs, lambda _grads: self._need(FetchEvent(label, "backward", units)),
-                                             mode="any")
-                    self._frozen_until_backward_done(units, args)
+                    frozen = self._frozen_until_backward_done(units, args)
+
+                    def on_backward(_grads):
+                        for u in frozen:  # counted when this call's backward starts (not per forward call:
+                            self._frozen_pending[u] += 1  # a forward nobody backpropagates never comes back)
+                        self._need(FetchEvent(label, "backward", units))
+
+                    register_multi_grad_hook(outputs, on_backward, mode="any")
 
         return hook
 
@@ -294,22 +299,23 @@ class Stage3Hooks:
             # module again (two forwards before one backward), and then it is kept as after a forward.
             self._release_or_keep(u)
 
-    def _frozen_until_backward_done(self, units: tuple[int, ...], args) -> None:
-        """This call will come back in backward: its frozen units (released by no gradient of their own) stay
-        until its backward is over, i.e. its input gradients exist, or the pass ends."""
+    def _frozen_until_backward_done(self, units: tuple[int, ...], args) -> tuple[int, ...]:
+        """This call's frozen units (released by no gradient of their own): once its backward has started they
+        stay until it is over, i.e. its input gradients exist (or, with no such inputs, the pass ends)."""
         frozen = tuple(u for u in units if not self.units[u].trainable)
         if not frozen:
-            return
-        for u in frozen:
-            self._frozen_pending[u] += 1
+            return ()
         inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
         if inputs:
             register_multi_grad_hook(inputs, lambda _grads: self._frozen_backward_done(frozen), mode="all")
+        return frozen
 
     def _frozen_backward_done(self, frozen: tuple[int, ...]) -> None:
         """One call's backward is over: its frozen units go once no other call's backward still needs them
         (``m(m(x))``: the outer call finishes first, while the inner one's backward is about to use them)."""
         for u in frozen:
+            if self._frozen_pending.get(u, 0) == 0:
+                continue  # its backward never started
             self._frozen_pending[u] -= 1
             if self._frozen_pending[u] <= 0:
                 del self._frozen_pending[u]
