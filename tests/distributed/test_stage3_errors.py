@@ -233,3 +233,20 @@ def test_assigning_data_is_refused_outside_and_kept_for_the_modifier_inside_gath
     for outside, kept, dropped in run_distributed(_assign_data, 2):
         assert "`weight.data = ...`" in outside and "GatheredParameters([param], modifier_rank=0)" in outside
         assert torch.equal(kept, torch.full((4, 4), 2.0)) and torch.equal(dropped, kept)
+
+
+def _assign_true(rank, world):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeroengine.initialize(model=nn.Sequential(nn.Linear(4, 4)), config=cfg)
+    engine.module.load_state_dict({"0.weight": torch.full((4, 4), 0.01), "0.bias": torch.zeros(4)}, assign=True)
+    return _raises(lambda: engine(torch.ones(1, 4)))
+
+
+def test_a_parameter_swapped_after_initialize_is_refused_instead_of_never_training():
+    # Before, load_state_dict(assign=True) put plain Parameters in place that the engine never updated.
+    for message in run_distributed(_assign_true, 2):
+        assert "0.weight was replaced by another Parameter object" in message, message
+        assert "load_state_dict(assign=True)" in message and "GatheredParameters" in message

@@ -36,6 +36,7 @@ from zeroengine.checkpointing.checkpoint import register_recompute_context
 
 from .external import external_parameters
 from .layout import Bucket
+from .param_guard import PartitionedParameterError
 from .partitioned_params import PartitionedParamBuffer
 from .prefetch import ExecutionTrace, FetchEvent, TraceState
 
@@ -108,7 +109,11 @@ class Stage3Hooks:
     def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
         label = name or type(m).__name__
         self._hooked.add(id(m))
-        self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned)))
+        # The parameters the engine partitioned, as registered on the module: one swapped for a new object
+        # (load_state_dict(assign=True), setattr) would train nowhere, so its use is refused.
+        registered = tuple((key, p) for key, p in m._parameters.items()
+                           if p is not None and id(p) in self._unit_of_param)
+        self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned, registered)))
         self.handles.append(m.register_forward_hook(self._post_forward(label)))
 
     def external_registered(self, m: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -149,8 +154,17 @@ class Stage3Hooks:
             self.end_pass()  # a forward with no backward after it
         self.trace.begin_pass(torch.is_grad_enabled())
 
-    def _pre_forward(self, label: str, owned: tuple[int, ...]):
+    def _pre_forward(self, label: str, owned: tuple[int, ...], registered=()):
         def hook(module, args):
+            for key, p in registered:
+                if module._parameters.get(key) is not p:
+                    raise PartitionedParameterError(
+                        f"{label + '.' if label else ''}{key} was replaced by another Parameter object after "
+                        "initialize() (e.g. load_state_dict(assign=True) or module.weight = nn.Parameter(...)): "
+                        "ZeRO stage 3 trains the parameter it partitioned, so the new one would never be "
+                        "updated. Load values into the existing parameters instead: load_state_dict without "
+                        "assign inside `with zeroengine.zero.GatheredParameters(list(model.parameters()), "
+                        "modifier_rank=0)`")
             units = self._units_of(module, owned)
             self._active[id(module)].append(units)
             if not units:
