@@ -31,6 +31,10 @@ def _build(rank, world):
         raised = ""
     except PartitionedParameterError as exc:
         raised = str(exc)
+    try:
+        model.blocks[1].mlp.fc.weight.sum()
+    except PartitionedParameterError as exc:
+        raised += str(exc)
     with GatheredParameters(list(model.parameters())):
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     after_gather_partitioned = all(is_partitioned(p) for p in model.parameters())
@@ -47,7 +51,8 @@ def test_init_gives_every_rank_the_values_of_an_ordinary_build():
         for name, value in want.items():
             assert torch.equal(state[name], value), name  # same ops, same RNG stream: bit for bit
         assert counted == ref.num_params() and partitioned and still
-        assert "wte.weight" in raised or "weight" in raised
+        # named by their path in the model (before, the attribute name alone: 'weight')
+        assert "'wte.weight'" in raised and "'blocks.1.mlp.fc.weight'" in raised, raised
         assert "GatheredParameters" in raised
         # slices of everything (1/2) plus at most the parameter being initialised
         assert peak <= full_bytes / 2 + largest + 1024, (peak, full_bytes)

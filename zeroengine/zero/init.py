@@ -40,7 +40,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 from torch.overrides import TorchFunctionMode
 
 from zeroengine import comm
@@ -269,6 +270,10 @@ class Init:
         self.state = _InitState(comm.get_rank(), comm.get_world_size(self.group), self.group, self.remote_device,
                                 self.pin_memory)
         self._handle = register_module_parameter_registration_hook(self._on_register)
+        # Which modules became another's child, to name each parameter by its full path at exit.
+        self._owners: list = []
+        self._parents: dict[int, weakref.ref] = {}
+        self._child_handle = register_module_module_registration_hook(self._on_child)
         self._mode = _InitMode(self.state)
         self._mode.__enter__()
         return self
@@ -282,6 +287,8 @@ class Init:
         finally:
             self._mode.__exit__(exc_type, exc, tb)
             self._handle.remove()
+            self._child_handle.remove()
+        self._name_by_full_path()
         return False
 
     def _on_register(self, module, name, param):
@@ -290,7 +297,33 @@ class Init:
         if not param.is_floating_point():
             return None  # an integer table (ids, indices) stays whole, as stage 3 keeps it (stage3.split_params)
         self.state.adopt(param, name)
+        self._owners.append(weakref.ref(module))
         return None
+
+    def _on_child(self, parent, _name, child):
+        if child is not None:
+            self._parents.setdefault(id(child), weakref.ref(parent))
+        return None
+
+    def _name_by_full_path(self) -> None:
+        """Name the parameters built here by their path in the outermost module built here ("blocks.0.attn.
+        qkv.weight", not "weight"), so errors before initialize() say which one."""
+        roots, seen = [], set()
+        for ref in self._owners:
+            m = ref()
+            while m is not None and id(m) in self._parents:  # climb to the outermost module built here
+                m = self._parents[id(m)]()
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                roots.append(m)
+        self._owners, self._parents = [], {}
+        named = set()
+        for root in roots:
+            for full_name, p in root.named_parameters(remove_duplicate=False):
+                info = info_of(p)
+                if info is not None and getattr(info, "init_shard", None) is not None and id(p) not in named:
+                    named.add(id(p))  # a tied parameter keeps its first owner's path
+                    info.name = full_name
 
 
 def _remote_device(remote_device, offloads_params: bool) -> torch.device | None:
