@@ -248,5 +248,33 @@ def _assign_true(rank, world):
 def test_a_parameter_swapped_after_initialize_is_refused_instead_of_never_training():
     # Before, load_state_dict(assign=True) put plain Parameters in place that the engine never updated.
     for message in run_distributed(_assign_true, 2):
-        assert "0.weight was replaced by another Parameter object" in message, message
+        assert "0.weight was replaced by a new Parameter" in message, message
         assert "load_state_dict(assign=True)" in message and "GatheredParameters" in message
+
+
+def _legitimate_swaps(rank, world):
+    import torch.nn.utils.parametrize as parametrize
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
+    with GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+        parametrize.register_parametrization(engine.module[0], "weight", Scale())  # moves the object
+    engine.backward(engine(torch.ones(1, 4)).sum())  # a moved (not new) parameter trains on
+    engine.step()
+    out = torch.func.functional_call(engine.module, {"2.bias": torch.zeros(4)}, (torch.ones(1, 4),), strict=False)
+    engine.module[1].weight = nn.Parameter(torch.ones(4))  # a persistent (small) parameter, really replaced
+    return out.shape, _raises(lambda: engine(torch.ones(1, 4)))
+
+
+def test_moving_a_parameter_is_fine_and_replacing_a_persistent_one_is_refused():
+    for shape, message in run_distributed(_legitimate_swaps, 2):
+        assert shape == (1, 4)
+        assert "1.weight was replaced by a new Parameter" in message, message

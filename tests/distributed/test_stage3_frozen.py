@@ -162,3 +162,47 @@ def test_frozen_units_respect_max_live_with_several_forwards_per_backward(mode):
     # gathered to the end of the pass: the whole frozen model was live in the middle of backward.
     for peaks, max_live, frozen_total in run_distributed(_frozen_base_peak, 2, mode):
         assert max(peaks) <= max_live < frozen_total, (peaks, max_live)
+
+
+class _LateLeafUser(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5, requires_grad=False)
+        self.c = torch.nn.Linear(d, d)
+
+    def forward(self, x, extra):
+        h = torch.tanh(self.c(x) @ self.w)  # w is needed again late in backward (for c's gradient) ...
+        return (h + extra) @ self.w.T  # ... after extra's gradient exists
+
+
+class _LearnedQuery(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.pre = torch.nn.Linear(d, d)
+        self.m = _LateLeafUser(d)
+        self.query = torch.nn.Parameter(torch.zeros(d))  # a trainable leaf passed in as the module's input
+
+    def forward(self, x):
+        return self.m(self.pre(x), self.query).pow(2).mean()
+
+
+def _learned_query(rank, world, stage):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeroengine.initialize(model=_LearnedQuery(), config=cfg)
+    losses = []
+    for i in range(2):
+        loss = engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(i)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_leaf_input_gradient_does_not_release_the_frozen_weight_mid_backward():
+    # A leaf's gradient is accumulated as soon as it exists, before the module's backward is over: taken as
+    # the end of that backward, it released the frozen weight the rest still needed.
+    for got, want in zip(run_distributed(_learned_query, 2, 3), run_distributed(_learned_query, 2, 0)):
+        assert got == pytest.approx(want, abs=1e-7)

@@ -267,3 +267,23 @@ def test_conversion_before_initialize_converts_the_slices(remote_device):
         assert kinds == {(torch.float64, "cpu", "cpu")}
         for name, value in want.items():
             assert torch.equal(state[name], value), name
+
+
+class _CustomNamedParameters(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    def named_parameters(self, prefix="", recurse=True):  # an override without remove_duplicate
+        yield from super().named_parameters(prefix=prefix, recurse=recurse)
+
+
+def _build_custom(rank, world):
+    with Init():
+        model = _CustomNamedParameters()
+    return sorted(zeroengine.zero.param_guard.info_of(p).name for p in model.parameters())
+
+
+def test_a_model_overriding_named_parameters_still_builds_under_init():
+    # Naming the parameters by path at Init's exit passed remove_duplicate=, which such an override refuses.
+    assert run_distributed(_build_custom, 1) == [["blk.0.bias", "blk.0.weight"]]

@@ -288,7 +288,12 @@ class Init:
             self._mode.__exit__(exc_type, exc, tb)
             self._handle.remove()
             self._child_handle.remove()
-        self._name_by_full_path()
+        if exc_type is None:
+            try:
+                self._name_by_full_path()
+            except Exception:  # noqa: BLE001 - names for error messages only: never fail a build over them
+                pass
+        self._owners, self._parents = [], {}
         return False
 
     def _on_register(self, module, name, param):
@@ -316,13 +321,12 @@ class Init:
             if m is not None and id(m) not in seen:
                 seen.add(id(m))
                 roots.append(m)
-        self._owners, self._parents = [], {}
         named = set()
         for root in roots:
-            for full_name, p in root.named_parameters(remove_duplicate=False):
+            for full_name, p in root.named_parameters():  # (a tied parameter: its first owner's path)
                 info = info_of(p)
                 if info is not None and getattr(info, "init_shard", None) is not None and id(p) not in named:
-                    named.add(id(p))  # a tied parameter keeps its first owner's path
+                    named.add(id(p))
                     info.name = full_name
 
 

@@ -59,6 +59,14 @@ class Unit:
         return self.bucket.index in self.buffer.persistent
 
 
+@dataclass
+class _FrozenHold:
+    """One module call's frozen units, and whether its backward has started (see _watch_backward_done)."""
+
+    units: tuple[int, ...]
+    started: bool = False
+
+
 @dataclass(frozen=True)
 class FetchPolicy:
     """The stage-3 tuning keys, in elements (DeepSpeed's units)."""
@@ -100,10 +108,13 @@ class Stage3Hooks:
             runs[name] = m
             owned_by[host] |= {unit_of_param[id(p)] for p in m._parameters.values()
                                if p is not None and id(p) in unit_of_param}
+        self._unhooked = []  # (module, label, registered parameters) of modules with only persistent ones
         for name, m in module.named_modules():
             owned = tuple(sorted(u for u in owned_by.get(name, ()) if not units[u].persistent))
             if owned or external_parameters(m):
                 self._attach(m, name, owned)
+            elif registered := self._registered(m):
+                self._unhooked.append((m, name or type(m).__name__, registered))
         _LIVE.add(self)
 
     def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
@@ -111,10 +122,34 @@ class Stage3Hooks:
         self._hooked.add(id(m))
         # The parameters the engine partitioned, as registered on the module: one swapped for a new object
         # (load_state_dict(assign=True), setattr) would train nowhere, so its use is refused.
-        registered = tuple((key, p) for key, p in m._parameters.items()
-                           if p is not None and id(p) in self._unit_of_param)
+        registered = self._registered(m)
         self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned, registered)))
         self.handles.append(m.register_forward_hook(self._post_forward(label)))
+
+    def _registered(self, m: torch.nn.Module) -> tuple:
+        return tuple((key, p) for key, p in m._parameters.items() if p is not None and id(p) in self._unit_of_param)
+
+    def _check_not_swapped(self, module: torch.nn.Module, label: str, registered) -> None:
+        """A parameter the engine partitioned, replaced in its slot by a Parameter the engine does not know, would
+        train nowhere. A slot emptied (parametrize moves the object), holding another known parameter (a
+        rename) or a plain tensor (torch.func.functional_call, for one call) is fine."""
+        for key, p in registered:
+            now = module._parameters.get(key)
+            if now is p or not isinstance(now, torch.nn.Parameter) or id(now) in self._unit_of_param:
+                continue
+            raise PartitionedParameterError(
+                f"{label + '.' if label else ''}{key} was replaced by a new Parameter after initialize() (e.g. "
+                "load_state_dict(assign=True), module.weight = nn.Parameter(...), or torch.nn.utils."
+                "parametrizations.weight_norm, which makes new parameters): ZeRO stage 3 trains the parameters "
+                "it partitioned, so the new one would never be updated. Load values into the existing "
+                "parameters instead (load_state_dict without assign, inside `with zeroengine.zero."
+                "GatheredParameters(list(model.parameters()), modifier_rank=0)`), or make such changes "
+                "before initialize()")
+
+    def _check_unhooked(self) -> None:
+        """The same check for modules whose parameters all stay gathered (persistent): they have no hooks."""
+        for module, label, registered in self._unhooked:
+            self._check_not_swapped(module, label, registered)
 
     def external_registered(self, m: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
         """``register_external_parameter(m, parameter)`` was called after this object was built."""
@@ -137,6 +172,7 @@ class Stage3Hooks:
 
     # -- hooks ---------------------------------------------------------------------
     def _begin_pass(self, _module, _args) -> None:
+        self._check_unhooked()
         if any(self._active.values()) or any(self.in_use.values()):
             # The model's forward starts, so no module is running: these counts are left by a forward that
             # raised (its modules' post-hooks never ran). Forget them, or their units stay gathered for good
@@ -156,15 +192,7 @@ class Stage3Hooks:
 
     def _pre_forward(self, label: str, owned: tuple[int, ...], registered=()):
         def hook(module, args):
-            for key, p in registered:
-                if module._parameters.get(key) is not p:
-                    raise PartitionedParameterError(
-                        f"{label + '.' if label else ''}{key} was replaced by another Parameter object after "
-                        "initialize() (e.g. load_state_dict(assign=True) or module.weight = nn.Parameter(...)): "
-                        "ZeRO stage 3 trains the parameter it partitioned, so the new one would never be "
-                        "updated. Load values into the existing parameters instead: load_state_dict without "
-                        "assign inside `with zeroengine.zero.GatheredParameters(list(model.parameters()), "
-                        "modifier_rank=0)`")
+            self._check_not_swapped(module, label, registered)
             units = self._units_of(module, owned)
             self._active[id(module)].append(units)
             if not units:
@@ -193,11 +221,11 @@ class Stage3Hooks:
             if torch.is_grad_enabled():
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outputs:
-                    frozen = self._frozen_until_backward_done(units, args)
+                    call = _FrozenHold(tuple(u for u in units if not self.units[u].trainable))
+                    self._watch_backward_done(call, args)
 
                     def on_backward(_grads):
-                        for u in frozen:  # counted when this call's backward starts (not per forward call:
-                            self._frozen_pending[u] += 1  # a forward nobody backpropagates never comes back)
+                        self._frozen_backward_started(call)
                         self._need(FetchEvent(label, "backward", units))
 
                     register_multi_grad_hook(outputs, on_backward, mode="any")
@@ -313,23 +341,32 @@ class Stage3Hooks:
             # module again (two forwards before one backward), and then it is kept as after a forward.
             self._release_or_keep(u)
 
-    def _frozen_until_backward_done(self, units: tuple[int, ...], args) -> tuple[int, ...]:
-        """This call's frozen units (released by no gradient of their own): once its backward has started they
-        stay until it is over, i.e. its input gradients exist (or, with no such inputs, the pass ends)."""
-        frozen = tuple(u for u in units if not self.units[u].trainable)
-        if not frozen:
-            return ()
-        inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+    def _watch_backward_done(self, call: "_FrozenHold", args) -> None:
+        """A call's frozen units (released by no gradient of their own) stay, once its backward has started,
+        until it is over: when the gradients of its inputs that come from other nodes exist. A leaf input (a
+        learned query passed in) gets its gradient whenever the module's backward first reaches it, maybe
+        before its last use of the frozen weight, so leaves are not watched; with no other inputs the units
+        stay until the pass ends."""
+        if not call.units:
+            return
+        inputs = [t for t in tree_leaves(args)
+                  if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         if inputs:
-            register_multi_grad_hook(inputs, lambda _grads: self._frozen_backward_done(frozen), mode="all")
-        return frozen
+            register_multi_grad_hook(inputs, lambda _grads: self._frozen_backward_done(call), mode="all")
 
-    def _frozen_backward_done(self, frozen: tuple[int, ...]) -> None:
+    def _frozen_backward_started(self, call: "_FrozenHold") -> None:
+        if call.units and not call.started:  # counted when its backward starts: a forward nobody
+            call.started = True  # backpropagates never comes back
+            for u in call.units:
+                self._frozen_pending[u] += 1
+
+    def _frozen_backward_done(self, call: "_FrozenHold") -> None:
         """One call's backward is over: its frozen units go once no other call's backward still needs them
         (``m(m(x))``: the outer call finishes first, while the inner one's backward is about to use them)."""
-        for u in frozen:
-            if self._frozen_pending.get(u, 0) == 0:
-                continue  # its backward never started
+        if not call.started:
+            return  # its backward never started: it counted nothing
+        call.started = False
+        for u in call.units:
             self._frozen_pending[u] -= 1
             if self._frozen_pending[u] <= 0:
                 del self._frozen_pending[u]
