@@ -97,25 +97,30 @@ class _Twice(torch.nn.Module):
         return self.m(self.m(x)).pow(2).mean()
 
 
-def _called_twice(rank, world, stage):
+def _two_sgd_steps(rank, world, model_cls, width, stage):
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, _, _, _ = zeroengine.initialize(model=_Twice(), config=cfg)
+    engine, _, _, _ = zeroengine.initialize(model=model_cls(), config=cfg)
     losses = []
     for i in range(2):
-        loss = engine(torch.randn(2, 4, generator=torch.Generator().manual_seed(i)))
+        loss = engine(torch.randn(2, width, generator=torch.Generator().manual_seed(i)))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     return losses
 
 
+def _assert_stage3_trains_like_stage0(model_cls, width):
+    stage3 = run_distributed(_two_sgd_steps, 2, model_cls, width, 3)
+    for got, want in zip(stage3, run_distributed(_two_sgd_steps, 2, model_cls, width, 0)):
+        assert got == pytest.approx(want, abs=1e-7)
+
+
 def test_a_frozen_parameter_of_a_module_called_on_its_own_output():
     # The outer call's backward released the frozen unit while the inner call's backward still needed it.
-    for got, want in zip(run_distributed(_called_twice, 2, 3), run_distributed(_called_twice, 2, 0)):
-        assert got == pytest.approx(want, abs=1e-7)
+    _assert_stage3_trains_like_stage0(_Twice, 4)
 
 
 class _AdaptedLayer(torch.nn.Module):
@@ -186,23 +191,7 @@ class _LearnedQuery(torch.nn.Module):
         return self.m(self.pre(x), self.query).pow(2).mean()
 
 
-def _learned_query(rank, world, stage):
-    torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, _, _, _ = zeroengine.initialize(model=_LearnedQuery(), config=cfg)
-    losses = []
-    for i in range(2):
-        loss = engine(torch.randn(2, 8, generator=torch.Generator().manual_seed(i)))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def test_a_leaf_input_gradient_does_not_release_the_frozen_weight_mid_backward():
     # A leaf's gradient is accumulated as soon as it exists, before the module's backward is over: taken as
     # the end of that backward, it released the frozen weight the rest still needed.
-    for got, want in zip(run_distributed(_learned_query, 2, 3), run_distributed(_learned_query, 2, 0)):
-        assert got == pytest.approx(want, abs=1e-7)
+    _assert_stage3_trains_like_stage0(_LearnedQuery, 8)
