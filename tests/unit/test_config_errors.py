@@ -245,3 +245,17 @@ def test_config_error_survives_pickling_across_processes(tmp_path):
     assert type(copy) is ConfigError
     assert copy.problems == info.value.problems and copy.source == "ds.json"
     assert str(copy).startswith("fp16.typo: unknown key")
+
+
+@pytest.mark.parametrize("written,key_path", [
+    ({"csv_monitor": {"enabled": True, "output_pth": "x"}}, "csv_monitor.output_pth"),
+    ({"tensorboard": {"enabled": True, "job_nam": "x"}}, "tensorboard.job_nam"),
+    ({"bfloat16": {"enabled": "maybe"}}, "bfloat16.enabled"),
+    ({"monitor": {"csv": {"enabled": True, "output_pth": "x"}}}, "monitor.csv.output_pth"),
+])
+def test_a_mistake_inside_a_deprecated_block_is_named_as_written(written, key_path):
+    # DeepSpeed's top-level csv_monitor / tensorboard / bfloat16 blocks are moved before validation; a
+    # mistake inside one was named at the new place (monitor.csv.output_pth), not where the user wrote it.
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_micro_batch_size_per_gpu": 1, **written}, world_size=1)
+    assert info.value.key_path == key_path, str(info.value)

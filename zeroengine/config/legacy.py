@@ -50,16 +50,22 @@ def legacy_keys_at(section: str) -> List[str]:
     return [entry.old for entry in LEGACY_KEYS if entry.section == section]
 
 
-def apply_legacy_keys(data: Dict[str, Any]) -> None:
-    """Rewrite old spellings in ``data`` (the raw top-level dict) in place."""
+def apply_legacy_keys(data: Dict[str, Any]) -> Dict[str, str]:
+    """Rewrite old spellings in ``data`` (the raw top-level dict) in place. Returns the blocks moved, as
+    {new path: the path the user wrote}, so errors inside them can name what the user wrote."""
+    moved: Dict[str, str] = {}
+    if "bfloat16" in data:
+        moved["bf16"] = "bfloat16"
     _move(data, "", "bfloat16", data, "bf16")
     if "csv_monitor" in data or "tensorboard" in data:
         if data.get("monitor") is None:  # absent, or null: the top-level spellings fill it
             data["monitor"] = {}
         monitor = data["monitor"]
         if isinstance(monitor, dict):
-            _move(data, "", "csv_monitor", monitor, "csv", new_path="monitor.csv")
-            _move(data, "", "tensorboard", monitor, "tensorboard", new_path="monitor.tensorboard")
+            for old, new in (("csv_monitor", "csv"), ("tensorboard", "tensorboard")):
+                if old in data:
+                    moved[f"monitor.{new}"] = old
+                _move(data, "", old, monitor, new, new_path=f"monitor.{new}")
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
         # DeepSpeed's first format: "zero_optimization": true meant stage 1.
@@ -70,6 +76,22 @@ def apply_legacy_keys(data: Dict[str, Any]) -> None:
         for name in _FIELD_NAMES:
             _move(zero, "zero_optimization", name, zero, f"stage3_{name}")
         _cpu_offload_flags(zero)
+    return moved
+
+
+def as_written(error: ConfigError, moved: Dict[str, str]) -> ConfigError:
+    """``error`` with key paths inside moved blocks spelled as the user wrote them (``csv_monitor.x``, not
+    ``monitor.csv.x``)."""
+    def written(path: str) -> str:
+        for new, old in moved.items():
+            if path == new or path.startswith(new + "."):
+                return old + path[len(new):]
+        return path
+
+    if not any(written(p.key_path) != p.key_path for p in error.problems):
+        return error
+    problems = [type(p)(written(p.key_path), p.message) for p in error.problems]
+    return type(error).from_problems(problems, source=error.source)
 
 
 def _move(src: dict, section: str, old: str, dst: dict, new: str, new_path: str = "") -> None:

@@ -25,7 +25,7 @@ import hjson
 from .auto import resolve_auto
 from .batch import resolve_batch, take_auto_batch_keys
 from .errors import ConfigError
-from .legacy import apply_legacy_keys
+from .legacy import apply_legacy_keys, as_written
 from .root import ZeroEngineConfig
 from .translate import validate
 from .unsupported import drop_unsupported_features
@@ -68,11 +68,14 @@ def build_config(data: Dict[str, Any], world_size: int = 1, hidden_size: Optiona
     if not isinstance(data, dict):
         raise ConfigError("", f"the config must be a JSON object ({{...}}), got {type(data).__name__}")
     work = copy.deepcopy(data)
-    apply_legacy_keys(work)
-    drop_unsupported_features(work)
-    any_auto_batch = take_auto_batch_keys(work)
-    resolve_auto(work, hidden_size)
-    cfg = validate(ZeroEngineConfig, work)
+    moved = apply_legacy_keys(work)
+    try:
+        drop_unsupported_features(work)
+        any_auto_batch = take_auto_batch_keys(work)
+        resolve_auto(work, hidden_size)
+        cfg = validate(ZeroEngineConfig, work)
+    except ConfigError as error:
+        raise as_written(error, moved) from None
     cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = resolve_batch(
         cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
         world_size, any_auto=any_auto_batch)
