@@ -222,7 +222,10 @@ class Engine:
         """Save everything needed to resume (collective: every rank calls it). Returns the tag directory."""
         from zeroengine.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        try:
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        finally:
+            self._restart_monitor_window()
 
     def load_checkpoint(self, load_dir: str, tag=None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -241,8 +244,12 @@ class Engine:
                              "parameter by name; load a partial state_dict with engine.module.load_state_dict("
                              "..., strict=False) instead")
 
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        try:
+            return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                   load_module_only=load_module_only)
+        finally:
+            self._restart_monitor_window()
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """The full model in its training dtype, as one plain state_dict on rank 0 (collective).
@@ -252,7 +259,14 @@ class Engine:
         """
         from zeroengine.checkpoint.model_file import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename)
+        try:
+            return save_16bit_model(self, save_dir, save_filename)
+        finally:
+            self._restart_monitor_window()
+
+    def _restart_monitor_window(self) -> None:
+        if self.monitor is not None:  # a checkpoint's collectives and I/O are not the next step's
+            self.monitor.restart_window()
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name
 

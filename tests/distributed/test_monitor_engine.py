@@ -106,3 +106,25 @@ def test_rank0_writes_one_row_and_event_per_step(tmp_path):
     f32 = torch.tensor(losses, dtype=torch.float32).tolist()
     assert [v for _, v in scalars["train/loss"]] == f32
     assert set(scalars) == set(rows[0]) - {"step", "samples", "wall_time"}
+
+
+def _train_around_a_checkpoint(rank, world, out_dir, ckpt_dir):
+    cfg = base_config(MICRO, 1, world, clip=0.0, lr=LR, stage=2)
+    cfg["monitor"] = {"csv": {"enabled": True, "output_path": out_dir, "job_name": "job"}}
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    for i, step in enumerate(global_batches(3, 1, world, MICRO)):
+        x, y = step[0][rank]
+        engine.backward(engine(x, y))
+        engine.step()
+        if i == 0:
+            engine.save_checkpoint(ckpt_dir, tag="t")
+            engine.load_checkpoint(ckpt_dir, tag="t")  # all-gathers the loaded parameters
+    engine.monitor.close()
+
+
+def test_a_checkpoint_between_steps_is_not_counted_in_the_next_steps_traffic(tmp_path):
+    # Before, the load's all-gathers were added to the next step's comm bytes.
+    run_distributed(_train_around_a_checkpoint, WORLD, str(tmp_path / "runs"), str(tmp_path / "ckpt"))
+    with open(tmp_path / "runs" / "job" / "metrics.csv", newline="") as f:
+        wire = [int(r["comm/wire_bytes"]) for r in csv.DictReader(f)]
+    assert len(wire) == 3 and len(set(wire)) == 1, wire  # every stage-2 step moves the same bytes

@@ -43,6 +43,12 @@ class StepRecorder:
         self._last_time = time.perf_counter()
         self._last_comm = _comm_totals()
 
+    def restart_window(self) -> None:
+        """Measure the next step from now: what ran in between (a checkpoint save or load, with its
+        collectives and file I/O) is not the next step's traffic or time."""
+        self._last_time = time.perf_counter()
+        self._last_comm = _comm_totals()
+
     def record_step(self, engine, local_loss: float, lr: float, result) -> None:
         now = time.perf_counter()
         payload, wire = _comm_totals()
