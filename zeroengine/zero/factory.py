@@ -49,7 +49,7 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
         raise ConfigError("zero_optimization.stage", "stage 3 does not support MoE layers yet (expert parameters "
                           "would be partitioned over the whole world, trainable or frozen); use stage 0, 1 or 2")
     # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
-    stepped = {id(p) for p in _optimizer_params(optimizer)}
+    stepped = set(trained_group_of(optimizer))
     domains = split_domains([p for p in reversed(list(module.parameters())) if id(p) in stepped])
     if domains:
         if stage == 0:
@@ -99,6 +99,13 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramet
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+def trained_group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> its param group, for the parameters the sharded stages step. A frozen parameter in a
+    group (``model_parameters=model.parameters()`` with part of the model frozen) is left out, as DeepSpeed
+    does: it has no gradient, and stepping it would still apply weight decay to it."""
+    return {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
+
+
 def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None):
     master_weights = None
     if policy.mixed:
@@ -117,7 +124,7 @@ def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, com
 
 
 def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
-    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    group_of = trained_group_of(optimizer)
     # Layout in reverse registration order: roughly the order backward produces
     # gradients, so stage 2's buckets fill (and launch) front to back.
     params = [p for p in reversed(list(module.parameters())) if id(p) in group_of]
@@ -134,7 +141,7 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
 
 
 def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
-    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    group_of = trained_group_of(optimizer)
     trainable, frozen = split_params(module, set(group_of), int(zero_config.stage3_param_persistence_threshold))
     rank, world = comm.get_rank(), comm.get_world_size()
     bucket_numel = int(zero_config.reduce_bucket_size)

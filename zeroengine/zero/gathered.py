@@ -18,6 +18,7 @@ from zeroengine import comm
 from .gather_order import GATHERED_PARAMETERS_LABEL
 from .init import InitShard, is_init_partitioned
 from .param_guard import info_of, mark_gathered, mark_partitioned
+from .flat_params import FlatParamBuffer
 from .partitioned_params import PartitionedParamBuffer
 
 # id(parameter) -> (weak ref to it, its param buffer, bucket index, the ShardedOptimizer owning it, its index).
@@ -65,6 +66,7 @@ class GatheredParameters:
         self.enabled = enabled
         self._gathered: list[tuple] = []
         self._init_gathered: list[tuple[torch.nn.Parameter, InitShard]] = []
+        self._flat: dict[tuple, tuple] = {}
 
     def __enter__(self):
         if not self.enabled:
@@ -83,8 +85,15 @@ class GatheredParameters:
             if entry is not None:
                 buffer, index, owner, _ = entry
                 seen[(id(buffer), index)] = (buffer, index, owner)
+        # Stages 1-2 (world-wide buffers): the parameters are whole on every rank, but the optimizer steps its
+        # own master chunks, so a modifier's edit is broadcast and taken into them on exit.
+        self._flat: dict[tuple, tuple] = {}
+        for p in self.params:
+            entry = _lookup(p) if self.modifier_rank is not None else None
+            if entry is not None and isinstance(entry[0], FlatParamBuffer) and entry[0].group is None:
+                self._flat[(id(entry[0]), entry[1])] = (entry[0], entry[1], entry[2])
         passed_through = sum(1 for p in self.params if isinstance(p, torch.Tensor) and not is_init_partitioned(p)
-                             and _stage3_entry(p) is None)
+                             and _stage3_entry(p) is None and not self._in_flat(p))
         if passed_through and self.modifier_rank is not None and comm.get_world_size() > 1:
             _warn_passed_through(passed_through, self.modifier_rank)
         # The same order on every rank: the gathers are collectives.
@@ -98,6 +107,10 @@ class GatheredParameters:
             snapshot = buffer.full[bucket.index].clone() if was_gathered and self.modifier_rank is None else None
             self._gathered.append((buffer, bucket, owner, was_gathered, snapshot))
         return self
+
+    def _in_flat(self, p) -> bool:
+        entry = _lookup(p)
+        return entry is not None and (id(entry[0]), entry[1]) in self._flat
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:
@@ -121,6 +134,13 @@ class GatheredParameters:
             if not was_gathered:
                 buffer.release(bucket)
         self._gathered = []
+        if self.modifier_rank is not None and exc_type is None:
+            for _, (buffer, index, owner) in sorted(self._flat.items(), key=lambda kv: kv[0][1]):
+                bucket = buffer.layout.buckets[index]
+                comm.broadcast(buffer.bucket_view(bucket), src=self.modifier_rank, group=buffer.group)
+                if owner is not None:
+                    owner.load_chunk_from_params(index)
+        self._flat = {}
         for p, shard in self._init_gathered:
             with torch.no_grad(), torch._C.DisableTorchFunction():
                 full = p.detach().reshape(-1)
@@ -147,6 +167,6 @@ def _warn_passed_through(count: int, modifier_rank: int) -> None:
     from zeroengine.progress import get_logger
 
     get_logger().warning(
-        f"GatheredParameters(modifier_rank={modifier_rank}): {count} of the parameters are not partitioned (ZeRO "
-        f"stages 0-2, or not in the engine) and pass through untouched, as in DeepSpeed: an edit made on rank "
+        f"GatheredParameters(modifier_rank={modifier_rank}): {count} of the parameters are not sharded (ZeRO "
+        f"stage 0, or not in the engine) and pass through untouched, as in DeepSpeed: an edit made on rank "
         f"{modifier_rank} only stays there. Load or edit them on every rank (this is logged once)")

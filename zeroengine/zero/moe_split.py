@@ -195,7 +195,9 @@ class ExpertShardedOptimizer(ZeroOptimizer):
 def build_sharded_with_experts(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype,
                                domains: list[ParamDomain]) -> ExpertShardedOptimizer:
     """Stages 1-2: a flat buffer, gradient store and sharded optimizer per domain."""
-    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    from .factory import trained_group_of  # (factory imports this module)
+
+    group_of = trained_group_of(optimizer)
     # fp32 values of every domain before any cast (the masters start from exact weights).
     fp32_values = [[p.detach() for p in d.params] if policy.mixed else None for d in domains]
     flats = []
