@@ -169,3 +169,14 @@ def test_offload_routes_adam_to_cpu_adam(fake_cpu_adam):
 def test_offload_without_op_falls_back_to_torch(no_cpu_adam):
     assert type(build_optimizer("Adam", {}, params(), offload_optimizer=True)) is torch.optim.AdamW
 
+
+
+@pytest.mark.parametrize("config, key", [({"fused": True}, "optimizer.params.fused"),
+                                         ({"amsgrad": True}, "optimizer.params.amsgrad")])
+def test_offload_names_the_key_the_cpu_step_cannot_take(fake_cpu_adam, config, key):
+    # Before, a plain ValueError about "optimizer type CPUAdam", a type the config never named.
+    from zeroengine.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build_optimizer("Adam", dict(config), params(), offload_optimizer=True)
+    assert info.value.key_path == key and "offload" in str(info.value), str(info.value)

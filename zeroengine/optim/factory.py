@@ -31,6 +31,12 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from zeroengine.config.errors import ConfigError
+
+
+class OptimizerParamsError(ConfigError, ValueError):
+    """A bad ``optimizer.params`` entry: a ConfigError naming the key, and a ValueError for direct callers."""
+
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_NAMES = ("Adam", "AdamW", "SGD", "CPUAdam")
@@ -75,7 +81,13 @@ def _build_adam(name: str, kwargs: dict, groups: list, offload_optimizer: bool) 
         if offload_optimizer:
             cpu_adam = _import_cpu_adam(required=False)
             if cpu_adam is not None:
-                return _construct(cpu_adam, groups, {**kwargs, "adamw_mode": decoupled}, "CPUAdam")
+                if kwargs.get("amsgrad"):
+                    raise OptimizerParamsError("optimizer.params.amsgrad", "the offloaded optimizer step runs zeroengine's "
+                                      "CPUAdam, which has no amsgrad: set it to false, or turn "
+                                      "zero_optimization.offload_optimizer off")
+                kwargs.pop("amsgrad", None)
+                return _construct(cpu_adam, groups, {**kwargs, "adamw_mode": decoupled}, "CPUAdam",
+                                  why=" (zero_optimization.offload_optimizer steps with zeroengine's CPUAdam)")
             logger.warning("CPUAdam op unavailable; offloaded %s runs torch.optim.%s on CPU instead",
                            name, "AdamW" if decoupled else "Adam")
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
@@ -169,14 +181,14 @@ def _import_cpu_adam(required: bool):
     return CPUAdam
 
 
-def _construct(cls, groups: list, kwargs: dict, type_name: str) -> torch.optim.Optimizer:
+def _construct(cls, groups: list, kwargs: dict, type_name: str, why: str = "") -> torch.optim.Optimizer:
     """``cls(groups, **kwargs)`` after checking every key is one ``cls`` accepts."""
     kwargs.setdefault("lr", DEFAULT_LR)
     # decoupled_weight_decay (torch.optim.Adam) is spelled adam_w_mode in DeepSpeed configs.
     accepted = [n for n in inspect.signature(cls.__init__).parameters
-                if n not in ("self", "params", "decoupled_weight_decay")]
-    unknown = sorted(set(kwargs) - set(accepted))
+                if n not in ("self", "params", "decoupled_weight_decay", "adamw_mode")]
+    unknown = sorted(set(kwargs) - set(accepted) - {"adamw_mode"})
     if unknown:
-        raise ValueError(f"optimizer type {type_name}: unknown parameter(s) {unknown}; "
-                         f"accepted: {', '.join(accepted)}")
+        raise OptimizerParamsError(f"optimizer.params.{unknown[0]}",
+                          f"not a parameter of {type_name}{why}: unknown {unknown}; accepted: {', '.join(accepted)}")
     return cls(groups, **kwargs)
