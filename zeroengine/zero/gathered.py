@@ -15,10 +15,10 @@ import torch
 
 from zeroengine import comm
 
+from .flat_params import FlatParamBuffer
 from .gather_order import GATHERED_PARAMETERS_LABEL
 from .init import InitShard, is_init_partitioned
 from .param_guard import info_of, mark_gathered, mark_partitioned
-from .flat_params import FlatParamBuffer
 from .partitioned_params import PartitionedParamBuffer
 
 # id(parameter) -> (weak ref to it, its param buffer, bucket index, the ShardedOptimizer owning it, its index).
@@ -71,29 +71,28 @@ class GatheredParameters:
     def __enter__(self):
         if not self.enabled:
             return self
-        seen = {}
+        seen, passed_through = {}, 0
         for p in self.params:
-            if is_init_partitioned(p) and all(p is not q for q, _ in self._init_gathered):
-                # Built under zero.Init, not yet given to initialize(): per-parameter slices.
-                shard = info_of(p).init_shard
-                with torch._C.DisableTorchFunction():
-                    p.data = shard.full_flat().view(info_of(p).shape)
-                mark_gathered(p)
-                self._init_gathered.append((p, shard))
+            if is_init_partitioned(p):
+                if all(p is not q for q, _ in self._init_gathered):
+                    # Built under zero.Init, not yet given to initialize(): per-parameter slices.
+                    shard = info_of(p).init_shard
+                    with torch._C.DisableTorchFunction():
+                        p.data = shard.full_flat().view(info_of(p).shape)
+                    mark_gathered(p)
+                    self._init_gathered.append((p, shard))
                 continue
-            entry = _stage3_entry(p)
-            if entry is not None:
+            entry = _lookup(p)
+            if entry is not None and isinstance(entry[0], PartitionedParamBuffer):
                 buffer, index, owner, _ = entry
                 seen[(id(buffer), index)] = (buffer, index, owner)
-        # Stages 1-2 (world-wide buffers): the parameters are whole on every rank, but the optimizer steps its
-        # own master chunks, so a modifier's edit is broadcast and taken into them on exit.
-        self._flat: dict[tuple, tuple] = {}
-        for p in self.params:
-            entry = _lookup(p) if self.modifier_rank is not None else None
-            if entry is not None and isinstance(entry[0], FlatParamBuffer) and entry[0].group is None:
+            elif (self.modifier_rank is not None and entry is not None and isinstance(entry[0], FlatParamBuffer)
+                  and entry[0].group is None):
+                # Stages 1-2 (world-wide buffers): the parameters are whole on every rank, but the optimizer
+                # steps its own master chunks, so a modifier's edit is broadcast and taken into them on exit.
                 self._flat[(id(entry[0]), entry[1])] = (entry[0], entry[1], entry[2])
-        passed_through = sum(1 for p in self.params if isinstance(p, torch.Tensor) and not is_init_partitioned(p)
-                             and _stage3_entry(p) is None and not self._in_flat(p))
+            elif isinstance(p, torch.Tensor):
+                passed_through += 1
         if passed_through and self.modifier_rank is not None and comm.get_world_size() > 1:
             _warn_passed_through(passed_through, self.modifier_rank)
         # The same order on every rank: the gathers are collectives.
@@ -107,10 +106,6 @@ class GatheredParameters:
             snapshot = buffer.full[bucket.index].clone() if was_gathered and self.modifier_rank is None else None
             self._gathered.append((buffer, bucket, owner, was_gathered, snapshot))
         return self
-
-    def _in_flat(self, p) -> bool:
-        entry = _lookup(p)
-        return entry is not None and (id(entry[0]), entry[1]) in self._flat
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:

@@ -251,14 +251,21 @@ class Stage3Hooks:
             self._release_idle(tuple(self.prefetched | self.kept), keep=event.units)
         label = f"module {event.module} ({event.phase})"
         for u in event.units:
-            unit = self.units[u]
-            if not unit.buffer.is_fetched(unit.bucket):
-                self._make_room(unit.numel, keep=event.units)
-            unit.buffer.gather(unit.bucket, label)
+            self._gather_now(u, event.units, label)
             self.prefetched.discard(u)
             self.kept.discard(u)
         if on_trace:
             self._prefetch()
+
+    def _gather_now(self, u: int, keep: tuple[int, ...], label: str) -> bool:
+        """Make unit ``u`` gathered (waiting for its prefetch, or gathering it on demand after making room
+        under max_live, sparing ``keep``); True when it was not fetched before."""
+        unit = self.units[u]
+        fetched = unit.buffer.is_fetched(unit.bucket)
+        if not fetched:
+            self._make_room(unit.numel, keep=keep)
+        unit.buffer.gather(unit.bucket, label)
+        return not fetched
 
     def _prefetch(self) -> None:
         ahead = sum(self.units[u].numel for u in self.prefetched)
@@ -318,11 +325,8 @@ class Stage3Hooks:
         its module added before the segment)."""
         gathered_here = []
         for u in units:
-            unit = self.units[u]
-            if not unit.buffer.is_fetched(unit.bucket):
-                self._make_room(unit.numel, keep=units)
+            if self._gather_now(u, units, "activation checkpoint recompute"):
                 gathered_here.append(u)
-            unit.buffer.gather(unit.bucket, "activation checkpoint recompute")
             self.in_use[u] += 1
         try:
             yield
