@@ -118,3 +118,48 @@ def test_gradient_workspace_is_reused_only_when_free():
     w.grad = None
     step()
     assert w.grad.data_ptr() != held.data_ptr() and not workspace._buffers
+
+
+def _set_threads(n):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return old
+
+
+# Shapes that reach every edge of the small-row GEMMs (moe_small_gemm_cpu.cpp): rows not a multiple of
+# the 6 x 16 tile, past the 256-column contraction block and the 128-row block of the weight gradient,
+# more rows than the kernels take (ATen runs those), experts with no rows, one-column outputs.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k_dim,n_dim,counts", [(7, 13, [0, 1, 5, 6, 7, 17, 33]), (300, 37, [130, 0, 129, 3, 1]),
+                                                 (17, 1000, [257, 2, 300, 6, 1, 0]), (256, 258, [16, 15, 200]),
+                                                 (513, 1, [1, 2, 3, 4, 5, 6, 7, 8])])
+def test_grouped_gemms_match_torch_at_every_tile_edge(threads, k_dim, n_dim, counts):
+    from zeroengine.ops.moe_dispatch import cpu_kernel
+    from zeroengine.ops.cpu_features import cpu_flags
+
+    kernel = cpu_kernel(torch.zeros(1), "kernel")
+    if {"avx2", "fma"} <= cpu_flags():
+        assert kernel.small_gemm_available()  # else these shapes would only test ATen's GEMMs
+    torch.manual_seed(k_dim + n_dim)
+    rows, num = sum(counts), len(counts)
+    a, g = torch.randn(rows, k_dim), torch.randn(rows, n_dim)
+    w, bias = [torch.randn(n_dim, k_dim) for _ in range(num)], [torch.randn(n_dim) for _ in range(num)]
+    starts = [sum(counts[:e]) for e in range(num)]
+    old = _set_threads(threads)
+    try:
+        for with_bias in (True, False):
+            out = torch.full((rows, n_dim), float("nan"))
+            kernel.grouped_rows_mm(a, w, counts, bias if with_bias else [], True, out)
+            for e, (s, c) in enumerate(zip(starts, counts)):
+                want = a[s:s + c] @ w[e].t() + (bias[e] if with_bias else 0)
+                torch.testing.assert_close(out[s:s + c], want, rtol=1e-5, atol=1e-4)
+        grad_a = torch.full((rows, k_dim), float("nan"))
+        kernel.grouped_rows_mm(g, w, counts, [], False, grad_a)
+        grad_w, grad_b = torch.full((num, n_dim, k_dim), float("nan")), torch.full((num, n_dim), float("nan"))
+        kernel.grouped_weight_grad(g, a, counts, grad_w, grad_b)
+    finally:
+        torch.set_num_threads(old)
+    for e, (s, c) in enumerate(zip(starts, counts)):
+        torch.testing.assert_close(grad_a[s:s + c], g[s:s + c] @ w[e], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(grad_w[e], g[s:s + c].t() @ a[s:s + c], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(grad_b[e], g[s:s + c].sum(0), rtol=1e-5, atol=1e-4)

@@ -23,9 +23,13 @@ reasons, in order of size:
   (another 512 MiB written, and faulted in, at 64 experts); here each expert's own
   weight is used in place.
 
-What remains over the floor at 64 experts is the weights' memory traffic (a GEMM over
-~64 rows reads each 4 MiB weight panel for little arithmetic): the benchmark reports that
-bound as its own column. The workspace holds one gradient-sized buffer per weight and the
+* small-row GEMMs: at 64 experts each GEMM covers ~64-128 rows of a 4 MiB weight, and a BLAS
+  packs that weight (read, write, read again) before any arithmetic; the C++ kernel runs such
+  GEMMs with its own small-row kernels that read the weight once, in place, prefetched
+  (``ops/csrc/moe/moe_small_gemm_cpu.cpp``; up to 256 rows, fp32, AVX2 + FMA, when each
+  expert runs on one thread).
+
+The workspace holds one gradient-sized buffer per weight and the
 two hidden activations between steps (memory a caching allocator would hold too);
 ``experts.grad_workspace.enabled = False`` frees them and allocates afresh each step.
 """

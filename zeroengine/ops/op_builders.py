@@ -26,7 +26,7 @@ class MoEDispatchBuilder(CPUOpBuilder):
 
     NAME = "moe_dispatch"
     SOURCE_DIR = "moe"
-    SOURCES = ("moe_dispatch_cpu.cpp", "moe_grouped_cpu.cpp", "moe_gate_cpu.cpp")
+    SOURCES = ("moe_dispatch_cpu.cpp", "moe_grouped_cpu.cpp", "moe_gate_cpu.cpp", "moe_small_gemm_cpu.cpp")
 
 
 class MoEDispatchCUDABuilder(CUDAOpBuilder):

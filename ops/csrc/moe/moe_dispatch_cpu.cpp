@@ -27,6 +27,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "moe_cpu.h"
+#include "moe_small_gemm.h"
 
 namespace ze {
 namespace moe {
@@ -282,6 +283,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("trans_w"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("grouped_weight_grad", &ze::moe::grouped_weight_grad, py::arg("a"), py::arg("b"), py::arg("counts"),
         py::arg("out"), py::arg("bias_out"), py::call_guard<py::gil_scoped_release>());
+  // moe_small_gemm_cpu.cpp: whether the small-row GEMMs were compiled (AVX2 + FMA)
+  m.def("small_gemm_available", &ze::moe::small_gemm::available);
   // moe_gate_cpu.cpp
   m.def("topk_gate_forward", &ze::moe::topk_gate_forward, py::arg("probs"), py::arg("select"), py::arg("k"),
         py::arg("capacity"), py::arg("renormalize"));

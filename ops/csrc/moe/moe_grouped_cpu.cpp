@@ -6,8 +6,12 @@
 // is descheduled waits a whole time slice, hundreds of times per step. Here all experts run
 // in one OpenMP region, each GEMM single-threaded inside it (MKL and ATen do not nest), the
 // biggest first so the dynamic schedule balances uneven experts. With fewer experts than
-// 2 x threads the GEMMs run one after another, each using every thread.
+// 2 x threads the GEMMs run one after another, each using every thread. A GEMM that runs on one
+// thread over few rows uses the small-row kernels of moe_small_gemm_cpu.cpp (fp32, AVX2 + FMA),
+// which read the expert's weight once instead of packing it first.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <numeric>
 
 #include <ATen/Parallel.h>
@@ -18,6 +22,7 @@
 #include <ATen/ops/sum_cpu_dispatch.h>
 
 #include "moe_cpu.h"
+#include "moe_small_gemm.h"
 
 namespace ze {
 namespace moe {
@@ -45,7 +50,8 @@ Spans spans_of(const std::vector<int64_t>& counts, int64_t rows) {
   return s;
 }
 
-// Runs fn(e) for every expert: in one OpenMP region when there are enough experts to share out.
+// Runs fn(e, one_thread) for every expert: in one OpenMP region when there are enough experts to
+// share out; one_thread says the expert's GEMMs run on the calling thread alone.
 // Worker threads start with autograd on (thread-local state is not inherited): each ATen call
 // here must skip the autograd kernels, which would otherwise record history on the weights and
 // take the GIL the calling thread holds (a deadlock, seen with addmm's bias copy).
@@ -53,17 +59,29 @@ template <typename Fn>
 void for_each_expert(const Spans& s, Fn fn) {
   const int64_t n = static_cast<int64_t>(s.order.size());
   const int threads = at::get_num_threads();
+  const bool shared_out = threads > 1 && n >= 2 * threads;
   auto run = [&](int64_t i) {
     c10::AutoGradMode no_grad(false);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    fn(s.order[i]);
+    fn(s.order[i], shared_out || threads == 1);
   };
-  if (threads > 1 && n >= 2 * threads) {
+  if (shared_out) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < n; ++i) run(i);
   } else {
     for (int64_t i = 0; i < n; ++i) run(i);
   }
+}
+
+// Whether an expert's GEMM over `rows` rows goes to the small-row kernels (ZE_MOE_SMALL_GEMM=0 turns
+// them off, for comparisons and as an escape hatch).
+bool small_rows(int64_t rows, bool one_thread, const at::Tensor& a) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("ZE_MOE_SMALL_GEMM");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled && one_thread && rows <= small_gemm::kMaxRows && a.scalar_type() == at::kFloat &&
+         small_gemm::available();
 }
 
 }  // namespace
@@ -85,8 +103,21 @@ void grouped_rows_mm(const at::Tensor& a, const std::vector<at::Tensor>& w, cons
                   "moe grouped: bias ", e, " has the wrong shape or dtype");
   }
   const Spans s = spans_of(counts, a.size(0));
-  for_each_expert(s, [&](int64_t e) {
+  for_each_expert(s, [&](int64_t e, bool one_thread) {
     if (s.count[e] == 0) return;
+    if (small_rows(s.count[e], one_thread, a) && w[e].is_contiguous() && (bias.empty() || bias[e].is_contiguous())) {
+      const float* x = a.const_data_ptr<float>() + s.start[e] * k_dim;
+      float* o = out.mutable_data_ptr<float>() + s.start[e] * n_dim;
+      if (trans_w) {
+        small_gemm::nt(x, w[e].const_data_ptr<float>(), bias.empty() ? nullptr : bias[e].const_data_ptr<float>(), o,
+                       s.count[e], n_dim, k_dim);
+        return;
+      }
+      if (bias.empty()) {
+        small_gemm::nn(x, w[e].const_data_ptr<float>(), o, s.count[e], k_dim, n_dim);
+        return;
+      }
+    }
     at::Tensor o = out.narrow(0, s.start[e], s.count[e]);
     const at::Tensor x = a.narrow(0, s.start[e], s.count[e]);
     const at::Tensor m = trans_w ? w[e].t() : w[e];
@@ -111,7 +142,7 @@ void grouped_weight_grad(const at::Tensor& a, const at::Tensor& b, const std::ve
                     bias_out->is_contiguous() && bias_out->scalar_type() == a.scalar_type(),
                 "moe grouped: bias_out must be a contiguous [experts, a cols] tensor of a's dtype");
   const Spans s = spans_of(counts, a.size(0));
-  for_each_expert(s, [&](int64_t e) {
+  for_each_expert(s, [&](int64_t e, bool one_thread) {
     at::Tensor o = out.select(0, e);
     if (s.count[e] == 0) {
       o.zero_();
@@ -119,7 +150,12 @@ void grouped_weight_grad(const at::Tensor& a, const at::Tensor& b, const std::ve
       return;
     }
     const at::Tensor ae = a.narrow(0, s.start[e], s.count[e]);
-    at::cpu::mm_out(o, ae.t(), b.narrow(0, s.start[e], s.count[e]));
+    if (small_rows(s.count[e], one_thread, a) && b.scalar_type() == at::kFloat) {
+      small_gemm::tn(ae.const_data_ptr<float>(), b.const_data_ptr<float>() + s.start[e] * b.size(1),
+                     o.mutable_data_ptr<float>(), s.count[e], a.size(1), b.size(1));
+    } else {
+      at::cpu::mm_out(o, ae.t(), b.narrow(0, s.start[e], s.count[e]));
+    }
     if (bias_out.has_value()) {
       at::Tensor bo = bias_out->select(0, e);
       const int64_t rows_dim[1] = {0};
