@@ -73,9 +73,14 @@ class _RouteGather(torch.autograd.Function):
         grad_x = grad_wg = None
         if ctx.needs_input_grad[0]:
             if any(g is not None for g in grad_rows):
-                # the rows' gradients scattered back (a unit-weight combine), then the router's part added in place
-                grad_x = kernel.combine_segments(_fill_missing(grad_rows, ctx.row_sizes, x), rows, None)
-                grad_x.addmm_(grad_logits, wg)
+                # the rows' gradients scattered back (a unit-weight combine) and the router's part added, in
+                # one pass over token blocks where the small-row GEMMs are built, else as two calls
+                rows_grads = _fill_missing(grad_rows, ctx.row_sizes, x)
+                if kernel.small_gemm_available():
+                    grad_x = kernel.combine_segments_addmm(rows_grads, rows, grad_logits, wg.contiguous())
+                else:
+                    grad_x = kernel.combine_segments(rows_grads, rows, None)
+                    grad_x.addmm_(grad_logits, wg)
             else:
                 grad_x = torch.mm(grad_logits, wg)
         if ctx.needs_input_grad[1]:

@@ -199,6 +199,58 @@ at::Tensor combine_segments(const std::vector<at::Tensor>& ys, const at::Tensor&
   return out;
 }
 
+// combine_segments(ys, rows, None) + a @ w, fp32: the backward of the gather-and-route node, where the
+// rows' gradients come back to token order and the router's input gradient (a = d logits, w = the
+// router weight) is added. Done per block of tokens, the add happens while the block is in cache:
+// as two calls it was one more pass writing and re-reading the whole [tokens, d] result.
+at::Tensor combine_segments_addmm(const std::vector<at::Tensor>& ys, const at::Tensor& rows, const at::Tensor& a,
+                                  const at::Tensor& w) {
+  TORCH_CHECK(small_gemm::available(), "moe_dispatch.combine_segments_addmm needs the AVX2 small-row GEMMs");
+  const int64_t n = check_segments(ys, "y");
+  check_index(rows, "rows");
+  TORCH_CHECK(rows.dim() == 2, "moe_dispatch: rows must be [tokens, k]");
+  const int64_t tokens = rows.size(0), k = rows.size(1), d = ys[0].size(1);
+  TORCH_CHECK(ys[0].scalar_type() == at::kFloat, "moe_dispatch.combine_segments_addmm: float32 only");
+  check_2d(a, "a");
+  check_2d(w, "w");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && a.size(0) == tokens &&
+                  w.size(0) == a.size(1) && w.size(1) == d,
+              "moe_dispatch.combine_segments_addmm: a must be float32 [tokens, e] and w float32 [e, d]");
+  check_range(rows, -1, n, "combine_segments_addmm");
+  at::Tensor out = at::empty({tokens, d}, ys[0].options());
+  const std::vector<float*> yrow = row_table<float>(ys, d);
+  const int64_t* r = rows.const_data_ptr<int64_t>();
+  const float* ap = a.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t e = a.size(1);
+  constexpr int64_t kBlock = 48;  // tokens per block: 48 rows of d = 512 floats stay in L2 for the add
+  const int64_t blocks = (tokens + kBlock - 1) / kBlock;
+  const int threads = at::get_num_threads();
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens * d * k > kParallelGrain)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t t0 = b * kBlock, t1 = std::min(tokens, t0 + kBlock);
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = op + t * d;
+      bool first = true;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t row = r[t * k + j];
+        if (row < 0) continue;
+        const float* yr = yrow[row];
+        if (first) {
+          std::memcpy(o, yr, sizeof(float) * d);
+          first = false;
+        } else {
+          for (int64_t c = 0; c < d; ++c) o[c] += yr[c];
+        }
+      }
+      if (first) std::fill(o, o + d, 0.f);
+    }
+    small_gemm::nn(ap + t0 * e, wp, op + t0 * d, t1 - t0, e, d, /*accumulate=*/true);
+  }
+  return out;
+}
+
 at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& rows, const std::optional<at::Tensor>& weights) {
   return combine_segments({y}, rows, weights);
 }
@@ -274,6 +326,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_rows", &ze::moe::combine_rows, py::arg("y"), py::arg("rows"), py::arg("weights"));
   m.def("gather_rows_split", &ze::moe::gather_rows_split, py::arg("x"), py::arg("index"), py::arg("counts"));
   m.def("combine_segments", &ze::moe::combine_segments, py::arg("ys"), py::arg("rows"), py::arg("weights"));
+  m.def("combine_segments_addmm", &ze::moe::combine_segments_addmm, py::arg("ys"), py::arg("rows"), py::arg("a"),
+        py::arg("w"));
   m.def("combine_segments_backward", &ze::moe::combine_segments_backward, py::arg("grad"), py::arg("ys"),
         py::arg("rows"), py::arg("weights"), py::arg("need_grad_y"), py::arg("need_grad_w"), py::arg("zero_grad_y"));
   m.def("combine_rows_backward", &ze::moe::combine_rows_backward, py::arg("grad"), py::arg("y"), py::arg("rows"),

@@ -17,8 +17,8 @@ bool available();
 // c[m][n] = sum_k a[m][k] w[n][k] (+ bias[n]):  a [m, k], w [n, k], c [m, n].
 void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, int64_t n, int64_t k);
 
-// c[m][k] = sum_n a[m][n] w[n][k]:  a [m, n], w [n, k], c [m, k].
-void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t k);
+// c[m][k] = sum_n a[m][n] w[n][k] (added to c's values with accumulate):  a [m, n], w [n, k], c [m, k].
+void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t k, bool accumulate = false);
 
 // c[n][k] = sum_m a[m][n] b[m][k]:  a [m, n], b [m, k], c [n, k].
 void tn(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k);

@@ -160,7 +160,7 @@ void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, 
   }
 }
 
-void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t k) {
+void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t k, bool accumulate) {
   const int64_t tiles = (m + kMR - 1) / kMR;
   float* strip = scratch(kKC * kNR, 0);
   float* pa = scratch(tiles * kMR * kKC, 1);
@@ -198,14 +198,14 @@ void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t 
           float* out = c + (m0 + i) * k + k0;
           if (cols == kNR) {
             __m256 v0 = _mm256_load_ps(t[i]), v1 = _mm256_load_ps(t[i] + 8);
-            if (nb > 0) {
+            if (nb > 0 || accumulate) {
               v0 = _mm256_add_ps(v0, _mm256_loadu_ps(out));
               v1 = _mm256_add_ps(v1, _mm256_loadu_ps(out + 8));
             }
             _mm256_storeu_ps(out, v0);
             _mm256_storeu_ps(out + 8, v1);
           } else {
-            for (int64_t j = 0; j < cols; ++j) out[j] = nb == 0 ? t[i][j] : out[j] + t[i][j];
+            for (int64_t j = 0; j < cols; ++j) out[j] = nb == 0 && !accumulate ? t[i][j] : out[j] + t[i][j];
           }
         }
       }
@@ -263,7 +263,7 @@ void tn(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t 
 
 bool available() { return false; }
 void nt(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t) {}
-void nn(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+void nn(const float*, const float*, float*, int64_t, int64_t, int64_t, bool) {}
 void tn(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 
 #endif
