@@ -106,6 +106,8 @@ def render(report: dict, color: bool) -> str:
     lines.append(f"{'op'.ljust(name_w)}  {'compatible':<12}{'built':<8}cache / reason")
     for op in ops:
         where = op.get("cache_path") if op.get("built") else op.get("reason") or op.get("cache_path") or ""
+        if op.get("detail"):
+            where = f"{where} ({op['detail']})" if where else op["detail"]
         lines.append(f"{op['name'].ljust(name_w)}  {_ok(op['compatible'], color):<12}"
                      f"{_ok(op['built'], color):<8}{where}")
     return "\n".join(lines)

@@ -35,3 +35,13 @@ def test_estimate_arguments_that_cannot_mean_anything_are_usage_errors(argv, cap
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and "ze_report: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("simd,shown", [("avx2", "small-row expert GEMMs: on"),
+                                        ("scalar", "small-row expert GEMMs: off, ATen's GEMMs instead")])
+def test_report_says_whether_the_moe_small_row_gemms_are_compiled_in(simd, shown, monkeypatch, capsys):
+    # a forced SIMD level changes the build hash: nothing is built here, the report never builds
+    monkeypatch.setenv("ZEROENGINE_SIMD", simd)
+    assert env_report.main(["--no-color"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("moe_dispatch "))
+    assert shown in line

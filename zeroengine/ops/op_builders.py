@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from zeroengine.ops.builder import CPUOpBuilder, CUDAOpBuilder
+from zeroengine.ops.cpu_features import SimdLevel
 
 
 class CPUAdamBuilder(CPUOpBuilder):
@@ -27,6 +28,16 @@ class MoEDispatchBuilder(CPUOpBuilder):
     NAME = "moe_dispatch"
     SOURCE_DIR = "moe"
     SOURCES = ("moe_dispatch_cpu.cpp", "moe_grouped_cpu.cpp", "moe_gate_cpu.cpp", "moe_small_gemm_cpu.cpp")
+
+    def status(self) -> dict:
+        """Adds whether the small-row expert GEMMs are compiled in (they need AVX2 + FMA; without them
+        the grouped expert GEMMs use ATen's, see ops/csrc/moe/moe_small_gemm_cpu.cpp)."""
+        status = super().status()
+        if status["compatible"]:
+            level = self.simd_level()
+            status["detail"] = ("small-row expert GEMMs: on" if level is not SimdLevel.SCALAR
+                                else "small-row expert GEMMs: off, ATen's GEMMs instead (SIMD scalar)")
+        return status
 
 
 class MoEDispatchCUDABuilder(CUDAOpBuilder):
