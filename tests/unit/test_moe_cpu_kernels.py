@@ -163,3 +163,33 @@ def test_grouped_gemms_match_torch_at_every_tile_edge(threads, k_dim, n_dim, cou
         torch.testing.assert_close(grad_a[s:s + c], g[s:s + c] @ w[e], rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(grad_w[e], g[s:s + c].t() @ a[s:s + c], rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(grad_b[e], g[s:s + c].sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_gemms_with_an_empty_contraction_give_the_bias_or_zeros():
+    from zeroengine.ops.moe_dispatch import cpu_kernel
+
+    kernel = cpu_kernel(torch.zeros(1), "kernel")
+    counts = [3, 2, 4, 1]
+    w, bias = [torch.randn(5, 0) for _ in counts], [torch.full((5,), 2.0) for _ in counts]
+    for with_bias in (True, False):
+        out = torch.full((sum(counts), 5), 777.0)
+        kernel.grouped_rows_mm(torch.randn(sum(counts), 0), w, counts, bias if with_bias else [], True, out)
+        assert torch.equal(out, torch.full_like(out, 2.0 if with_bias else 0.0))
+
+
+def test_grouped_gemms_refuse_mixed_dtypes_before_their_parallel_region():
+    # an error thrown inside the OpenMP region would abort the process (terminate), not raise
+    from zeroengine.ops.moe_dispatch import cpu_kernel
+
+    kernel = cpu_kernel(torch.zeros(1), "kernel")
+    counts, a = [2, 2, 2, 2], torch.randn(8, 4)
+    old = _set_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="out must have a's dtype"):
+            kernel.grouped_rows_mm(a, [torch.randn(3, 4) for _ in counts], counts, [], True,
+                                   torch.empty(8, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="b must have a's dtype"):
+            kernel.grouped_weight_grad(a, torch.randn(8, 3, dtype=torch.float64), counts,
+                                       torch.empty(4, 4, 3), None)
+    finally:
+        torch.set_num_threads(old)

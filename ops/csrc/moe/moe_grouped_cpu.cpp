@@ -11,8 +11,8 @@
 // which read the expert's weight once instead of packing it first.
 #include <algorithm>
 #include <cstdlib>
-#include <string>
 #include <numeric>
+#include <string>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -73,11 +73,11 @@ void for_each_expert(const Spans& s, Fn fn) {
   }
 }
 
-// Whether an expert's GEMM over `rows` rows goes to the small-row kernels (ZE_MOE_SMALL_GEMM=0 turns
+// Whether an expert's GEMM over `rows` rows goes to the small-row kernels (ZEROENGINE_MOE_SMALL_GEMM=0 turns
 // them off, for comparisons and as an escape hatch).
 bool small_rows(int64_t rows, bool one_thread, const at::Tensor& a) {
   static const bool enabled = [] {
-    const char* v = std::getenv("ZE_MOE_SMALL_GEMM");
+    const char* v = std::getenv("ZEROENGINE_MOE_SMALL_GEMM");
     return v == nullptr || std::string(v) != "0";
   }();
   return enabled && one_thread && rows <= small_gemm::kMaxRows && a.scalar_type() == at::kFloat &&
@@ -90,6 +90,8 @@ void grouped_rows_mm(const at::Tensor& a, const std::vector<at::Tensor>& w, cons
                      const std::vector<at::Tensor>& bias, bool trans_w, at::Tensor out) {
   TORCH_CHECK(a.dim() == 2 && out.dim() == 2 && a.size(0) == out.size(0) && a.is_contiguous() && out.is_contiguous(),
               "moe grouped: a and out must be contiguous [rows, *] with the same rows");
+  // every check before the parallel region: an error thrown inside it aborts the process
+  TORCH_CHECK(out.scalar_type() == a.scalar_type(), "moe grouped: out must have a's dtype");
   TORCH_CHECK(w.size() == counts.size() && (bias.empty() || bias.size() == counts.size()),
               "moe grouped: one weight (and bias) per expert");
   const int64_t k_dim = a.size(1), n_dim = out.size(1);
@@ -105,7 +107,9 @@ void grouped_rows_mm(const at::Tensor& a, const std::vector<at::Tensor>& w, cons
   const Spans s = spans_of(counts, a.size(0));
   for_each_expert(s, [&](int64_t e, bool one_thread) {
     if (s.count[e] == 0) return;
-    if (small_rows(s.count[e], one_thread, a) && w[e].is_contiguous() && (bias.empty() || bias[e].is_contiguous())) {
+    // (a zero-width contraction has no tile to write: ATen fills in the bias or zeros)
+    if (small_rows(s.count[e], one_thread, a) && k_dim > 0 && w[e].is_contiguous() &&
+        (bias.empty() || bias[e].is_contiguous())) {
       const float* x = a.const_data_ptr<float>() + s.start[e] * k_dim;
       float* o = out.mutable_data_ptr<float>() + s.start[e] * n_dim;
       if (trans_w) {
@@ -133,6 +137,7 @@ void grouped_weight_grad(const at::Tensor& a, const at::Tensor& b, const std::ve
                          at::Tensor out, const std::optional<at::Tensor>& bias_out) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.is_contiguous() && b.is_contiguous(),
               "moe grouped: a and b must be contiguous [rows, *] with the same rows");
+  TORCH_CHECK(b.scalar_type() == a.scalar_type(), "moe grouped: b must have a's dtype");
   const int64_t num = static_cast<int64_t>(counts.size());
   TORCH_CHECK(out.dim() == 3 && out.size(0) == num && out.size(1) == a.size(1) && out.size(2) == b.size(1) &&
                   out.is_contiguous() && out.scalar_type() == a.scalar_type(),
@@ -150,7 +155,7 @@ void grouped_weight_grad(const at::Tensor& a, const at::Tensor& b, const std::ve
       return;
     }
     const at::Tensor ae = a.narrow(0, s.start[e], s.count[e]);
-    if (small_rows(s.count[e], one_thread, a) && b.scalar_type() == at::kFloat) {
+    if (small_rows(s.count[e], one_thread, a)) {
       small_gemm::tn(ae.const_data_ptr<float>(), b.const_data_ptr<float>() + s.start[e] * b.size(1),
                      o.mutable_data_ptr<float>(), s.count[e], a.size(1), b.size(1));
     } else {
