@@ -114,8 +114,9 @@ def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
     for name, value in saved.items():
         assert torch.equal(state[name], value), name
     out = tmp_path / "model.pt"
-    done = subprocess.run([sys.executable, "-m", "zeroengine.checkpoint", save_dir, str(out)],
-                          capture_output=True, text=True, timeout=120)
+    tag = os.path.basename(open(os.path.join(save_dir, "latest")).read().strip())
+    done = subprocess.run([sys.executable, "-m", "zeroengine.checkpoint", save_dir, str(out), "-t", tag],
+                          capture_output=True, text=True, timeout=120)  # DeepSpeed's short flag for --tag
     assert done.returncode == 0, done.stderr
     model = make_model(seed=5)
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, tied head included
@@ -132,6 +133,7 @@ def test_ze_to_fp32_equals_the_gathered_model(stage3_checkpoint, tmp_path):
     assert set(get_fp32_state_dict_from_zero_checkpoint(save_dir, exclude_frozen_parameters=False,
                                                         lazy_mode=False)) == set(saved)
     assert written == str(tmp_path / "hf" / "pytorch_model.bin")
+    assert convert_zero_checkpoint_to_fp32_state_dict(save_dir, tmp_path / "hf") == written  # a pathlib.Path too
     assert set(torch.load(written, weights_only=True)) == set(saved)
     with pytest.raises(CheckpointError, match="safe_serialization=True is not supported"):
         convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "hf"), safe_serialization=True)

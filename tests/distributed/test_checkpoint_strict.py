@@ -138,3 +138,86 @@ def test_a_checkpoint_loads_when_a_saved_param_group_is_frozen_now(tmp_path, wor
     assert decays == pytest.approx([0.2])  # the remaining group got its own saved settings
     for name, value in saved.items():  # frozen block 0 included
         assert torch.equal(state[name], value), name
+
+
+def save_in_one_group(rank, world, stage, save_dir):
+    engine = build(world, stage, None, seed=0)  # one param group, from the config
+    train(engine, rank, world, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t")
+    return full_state(engine)
+
+
+def load_into_decay_groups(rank, world, stage, load_dir, **flags):
+    engine = grouped(world, stage, reverse=False, seed=7)
+    engine.load_checkpoint(load_dir, tag="t", **flags)
+    return full_state(engine), len(engine.optimizer.state) == 0
+
+
+@pytest.mark.parametrize("flags", [{"load_module_only": True}, {"load_optimizer_states": False}])
+def test_weights_load_into_new_param_groups_when_the_optimizer_state_is_not_loaded(tmp_path, flags):
+    # a warm start with decay / no-decay groups from a one-group checkpoint (DeepSpeed never looks at
+    # the optimizer here); loading the optimizer state too is refused, naming two parameters that disagree
+    save_dir = str(tmp_path / "run")
+    saved = run_distributed(save_in_one_group, 1, 0, save_dir)[0]
+    state, fresh_optimizer = run_distributed(load_into_decay_groups, 1, 0, save_dir, **flags)[0]
+    assert fresh_optimizer
+    for name, value in saved.items():
+        assert torch.equal(state[name], value), name
+    with pytest.raises(DistributedTestError, match=r"param groups differ from checkpoint .*parameter '.*' was in "
+                       r"saved group 0 and is in group 1 now, but '.*' was in saved group 0 and is in group 0 "
+                       r"now.*load_optimizer_states=False"):
+        run_distributed(load_into_decay_groups, 1, 0, save_dir)
+
+
+def load_with_sgd(rank, world, stage, load_dir, **flags):
+    model = make_model(seed=7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = config(world, stage)
+    del cfg["optimizer"], cfg["scheduler"]
+    engine, _, _, _ = zeroengine.initialize(model=model, optimizer=optimizer, config=cfg)
+    engine.load_checkpoint(load_dir, tag="t", **flags)
+    train(engine, rank, world, 1, 1)  # a step runs with the fresh momentum state
+    return full_state(engine)
+
+
+def test_optimizer_state_of_another_optimizer_type_is_refused(tmp_path):
+    save_dir = str(tmp_path / "run")
+    run_distributed(save_in_one_group, 2, 2, save_dir)  # AdamW
+    with pytest.raises(DistributedTestError, match=r"holds AdamW optimizer state and this engine's optimizer is "
+                                                   r"SGD: pass load_optimizer_states=False"):
+        run_distributed(load_with_sgd, 2, 2, save_dir)
+    run_distributed(load_with_sgd, 2, 2, save_dir, load_optimizer_states=False)
+
+
+def save_with_numpy_lr(rank, world, stage, save_dir):
+    np = pytest.importorskip("numpy")
+    model = make_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=np.float64(0.02) / 2)  # a numpy scalar lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: np.float32(0.5) ** step)
+    cfg = config(world, stage)
+    del cfg["optimizer"], cfg["scheduler"]
+    engine, _, _, _ = zeroengine.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+    train(engine, rank, world, 0, 2)
+    engine.save_checkpoint(save_dir, tag="t")
+    return full_state(engine), engine.get_lr()
+
+
+def load_with_numpy_lr(rank, world, stage, load_dir):
+    model = make_model(seed=7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    cfg = config(world, stage)
+    del cfg["optimizer"], cfg["scheduler"]
+    engine, _, _, _ = zeroengine.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+    engine.load_checkpoint(load_dir, tag="t")
+    return full_state(engine), engine.get_lr(), type(engine.optimizer.param_groups[0]["lr"])
+
+
+def test_numpy_scalars_in_the_optimizer_and_scheduler_state_are_saved_as_numbers(tmp_path):
+    # the checkpoint loads with weights_only=True, which refuses numpy scalars: it was written, then unloadable
+    save_dir = str(tmp_path / "run")
+    saved, saved_lr = run_distributed(save_with_numpy_lr, 1, 2, save_dir)[0]
+    state, lr, lr_type = run_distributed(load_with_numpy_lr, 1, 2, save_dir)[0]
+    assert lr == pytest.approx(saved_lr) and lr_type is float
+    for name, value in saved.items():
+        assert torch.equal(state[name], value), name

@@ -78,6 +78,7 @@ DEFAULT_FILE_NAME = "pytorch_model.bin"  # what DeepSpeed writes into an output 
 def output_path(output: str) -> str:
     """``output`` itself, or ``output/pytorch_model.bin`` when it is a directory (an existing one, or a path
     ending in a separator): DeepSpeed 0.19.8's converter takes a directory, zeroengine's a file or either."""
+    output = os.fspath(output)  # a pathlib.Path too
     if os.path.isdir(output) or output.endswith(os.sep):
         return os.path.join(output, DEFAULT_FILE_NAME)
     return output
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint_dir", help="the save_dir given to save_checkpoint, or one tag directory")
     parser.add_argument("output_file", help="where to write the state_dict (torch.save format); a directory "
                                             f"gets {DEFAULT_FILE_NAME} in it, as DeepSpeed's zero_to_fp32.py")
-    parser.add_argument("--tag", default=None, help="the tag to convert (default: the one 'latest' names)")
+    parser.add_argument("-t", "--tag", default=None, help="the tag to convert (default: the one 'latest' names)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of the floating-point tensors written (default fp32)")
     args = parser.parse_args(argv)

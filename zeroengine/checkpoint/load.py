@@ -32,8 +32,9 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     """Returns ``(tag_dir, client_state)``, or ``(None, None)`` when ``load_dir`` holds no checkpoint."""
     rank = comm.get_rank()
     plan, problem = None, None
+    optimizer_states = load_optimizer_states and not load_module_only
     try:
-        plan = _Plan(engine, load_dir, tag)
+        plan = _Plan(engine, load_dir, tag, optimizer_states)
     except CheckpointError as err:
         problem = str(err)
     if plan is not None and plan.tag_dir is None and problem is None:
@@ -66,7 +67,6 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         return None, None
 
     common = plan.common
-    optimizer_states = load_optimizer_states and not load_module_only
     plan.apply_pieces(optimizer_states)
     _load_module_extras(engine, plan.module_values)
     if not load_module_only:
@@ -95,10 +95,15 @@ def _describe(identity) -> str:
     return f"tag {tag!r} saved {when}"
 
 
+# Optimizers whose per-parameter state is the same (step, exp_avg, exp_avg_sq): offload swaps torch's
+# Adam/AdamW for CPUAdam, a GPU run may use FusedAdam, and a checkpoint moves between them.
+_STATE_FAMILY = {name: "Adam" for name in ("Adam", "AdamW", "CPUAdam", "FusedAdam")}
+
+
 class _Plan:
     """Everything this rank will read, checked before anything is written."""
 
-    def __init__(self, engine, load_dir: str, tag):
+    def __init__(self, engine, load_dir: str, tag, optimizer_states: bool):
         self.engine = engine
         self.tag_dir = mf.resolve_tag_dir(load_dir, tag)
         if self.tag_dir is None:
@@ -111,7 +116,11 @@ class _Plan:
         self.files = {mf.COMMON: load_tensors(self.manifest.verify_file(mf.COMMON))}
         self.common = self.files[mf.COMMON]
         self._match_names()
-        self.group_order = self._match_groups()
+        # Optimizer settings and state follow parameters into this run's groups; a load without them
+        # (load_optimizer_states=False, load_module_only: warm starts) may regroup freely, as in DeepSpeed.
+        self.group_order = self._match_groups() if optimizer_states else None
+        if optimizer_states:
+            self._check_optimizer_type()
         needed = set()
         if os.path.exists(self.manifest.path(mf.shard_file(comm.get_rank()))):
             needed.add(mf.shard_file(comm.get_rank()))
@@ -192,19 +201,37 @@ class _Plan:
         n_saved = len(self.common["param_groups"])
         now = {id(p): i for i, g in enumerate(self.engine.optimizer.param_groups) for p in g["params"]}
         mapping: dict[int, int] = {}
+        witness: dict[int, str] = {}  # saved group -> the first parameter that placed it
         for piece in self.pieces:
             name = self.places[id(piece.param)].name
             was, is_now = saved.get(name, {}).get("group"), now.get(id(piece.opt_param))
             if was is None or is_now is None:
                 continue
-            if mapping.setdefault(was, is_now) != is_now or list(mapping.values()).count(is_now) > 1:
-                raise CheckpointError(f"parameter {name!r} was in param group {was} when checkpoint {self.tag_dir} "
-                                      f"was saved and is in group {is_now} now, which does not match where the "
-                                      "other parameters went: build the same param groups (in any order)")
+            other = next((g for g, i in mapping.items() if i == is_now and g != was), None)
+            if mapping.setdefault(was, is_now) != is_now or other is not None:
+                first = witness[was] if other is None else witness[other]
+                first_was = was if other is None else other
+                raise CheckpointError(
+                    f"param groups differ from checkpoint {self.tag_dir}: parameter {name!r} was in saved group "
+                    f"{was} and is in group {is_now} now, but {first!r} was in saved group {first_was} and is in "
+                    f"group {mapping[first_was]} now. Build the same param groups (in any order) to load the "
+                    "optimizer state, or pass load_optimizer_states=False (or load_module_only=True) to load "
+                    "the weights alone")
+            witness.setdefault(was, name)
         n_now = len(self.engine.optimizer.param_groups)
         free = [i for i in range(n_now) if i not in mapping.values()]
         return [mapping[i] if i in mapping else (free.pop(0) if free and n_saved == n_now else None)
                 for i in range(n_saved)]
+
+    def _check_optimizer_type(self) -> None:
+        """Optimizer state is loaded only into the optimizer type that wrote it (SGD's momentum buffers are
+        not Adam's moments: torch would fail inside the next step)."""
+        saved = self.manifest.data.get("optimizer")
+        mine = type(self.engine.optimizer.optimizer).__name__
+        if saved is not None and _STATE_FAMILY.get(saved, saved) != _STATE_FAMILY.get(mine, mine):
+            raise CheckpointError(f"checkpoint {self.tag_dir} holds {saved} optimizer state and this engine's "
+                                  f"optimizer is {mine}: pass load_optimizer_states=False to load the weights "
+                                  "(and counters and scheduler) with a fresh optimizer state")
 
     def _check_shape(self, name: str, mine: list, theirs: list) -> None:
         if list(mine) != list(theirs):

@@ -31,16 +31,18 @@ from zeroengine.zero.gathered import GatheredParameters
 from . import manifest as mf
 from .agreement import exchange, gather_to_rank0, raise_failures
 from .files import CheckpointError, fsync_dir, save_json, save_tensors, save_text
-from .state import capture_rng, check_plain, parameter_aliases, parameter_names, parameter_places, stored_shape
+from .state import (capture_rng, check_plain, numbers_as_python, parameter_aliases, parameter_names,
+                    parameter_places, stored_shape)
 
 
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
     """Write a checkpoint of ``engine`` under ``save_dir/tag``; every rank must call it. Returns the tag dir."""
     rank = comm.get_rank()
     tag = mf.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
-    problem = None
+    problem, training_state = None, None
     try:
         check_plain(client_state if client_state is not None else {})
+        training_state = _training_state(engine)
     except CheckpointError as err:
         problem = str(err)
     arrival = _exchange("save_checkpoint", {"tag": tag, "nonce": uuid.uuid4().hex[:12], "error": problem})
@@ -55,7 +57,8 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         report["files"].update(_write_shard(engine, staging, rank))
         report["params"] = _param_table(engine)
         if rank == 0:
-            report["files"][mf.COMMON] = save_tensors(_common_state(engine, module_extras, client_state),
+            report["files"][mf.COMMON] = save_tensors(_common_state(engine, training_state, module_extras,
+                                                                    client_state),
                                                       os.path.join(staging, mf.COMMON))
     except Exception as err:  # noqa: BLE001 - reported to every rank, then re-raised below
         report["error"] = f"{type(err).__name__}: {err}"
@@ -139,16 +142,30 @@ def _module_extras(engine) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in extras.items()}
 
 
-def _common_state(engine, module_extras, client_state) -> dict:
+def _training_state(engine) -> dict:
+    """Param-group settings, scheduler and loss-scaler state, as they will be written: numpy scalars
+    become Python numbers, and anything else a weights-only load could not read is refused now, by
+    every rank, rather than found when the checkpoint fails to load."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    scheduler = engine.lr_scheduler
     scaler = engine.optimizer.loss_scaler
+    state = numbers_as_python({
+        "param_groups": groups,
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict")
+        else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+    })
+    for key, where in (("param_groups", "the optimizer's param_groups"), ("lr_scheduler", "the lr scheduler's "
+                       "state_dict()"), ("loss_scaler", "the loss scaler's state_dict()")):
+        check_plain(state[key], where)
+    return state
+
+
+def _common_state(engine, training_state, module_extras, client_state) -> dict:
     return {
         "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                      "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
-        "param_groups": groups,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None
-        and hasattr(engine.lr_scheduler, "state_dict") else None,
-        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        **training_state,
         "module_extras": module_extras,
         "client_state": client_state if client_state is not None else {},
     }

@@ -87,6 +87,20 @@ _SCALARS = (str, int, float, bool, type(None), torch.Size, torch.dtype)
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
 
+def numbers_as_python(value):
+    """``value`` with numpy scalars (``np.float64(0.02)``, as an lr computed with numpy often is) turned into
+    the Python numbers they equal, through dicts, lists and tuples. For state the engine saves on the user's
+    behalf (param groups, scheduler, loss scaler), which must load back with ``weights_only=True``."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.generic):
+        return value.item()
+    if type(value) in (dict, OrderedDict):
+        return type(value)((key, numbers_as_python(item)) for key, item in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(numbers_as_python(item) for item in value)
+    return value
+
+
 def check_plain(value, path: str = "client_state"):
     """Refuse anything ``torch.load(weights_only=True)`` could not read back: the checkpoint must stay data."""
     kind = type(value)
