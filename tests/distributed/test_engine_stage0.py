@@ -130,3 +130,32 @@ def test_static_loss_scale_and_comm_debug_from_config():
         assert checking  # "comm_debug": true turned the collective-sequence checker on
         assert scale == 128 and skipped == 0  # a static scale never moves
         assert losses[-1] < losses[0]
+
+
+def _overflow_step(rank, world, stage):
+    cfg = base_config(2, 1, world, 1.0, dtype="fp16", stage=stage)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    engine, optimizer, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    x, y = global_batches(1, 1, world, 2)[0][0][rank]
+    seen = []
+    for poison in (True, False):
+        loss = engine(x, y)
+        engine.backward(loss * (float("inf") if poison else 1.0))
+        engine.step()
+        seen.append((optimizer.overflow, optimizer.cur_scale, engine.get_global_grad_norm()))
+    try:
+        optimizer.state_dict()
+    except AttributeError as err:
+        hint = str(err)
+    return seen, hasattr(optimizer, "state_dict"), hint
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_deepspeed_optimizer_accessors_and_the_overflow_norm(stage):
+    # DeepSpeed scripts log optimizer.cur_scale; Hugging Face accelerate reads optimizer.overflow to tell
+    # a skipped step; the norm of an overflowing step is inf at every stage (stage 0 gave nan)
+    seen, has_state_dict, hint = run_distributed(_overflow_step, 1, stage)[0]
+    (overflow0, scale0, norm0), (overflow1, scale1, norm1) = seen
+    assert overflow0 and scale0 == 128 and norm0 == float("inf")
+    assert not overflow1 and scale1 == 128 and 0 < norm1 < float("inf")
+    assert not has_state_dict and "engine.save_checkpoint" in hint

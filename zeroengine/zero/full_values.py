@@ -19,8 +19,9 @@ from .gathered import _lookup
 def _entry(param: torch.Tensor):
     entry = _lookup(param)
     if entry is None:
-        raise ValueError("this parameter is not sharded by a zeroengine ZeRO stage (1-3); "
-                         "read it (and its .grad) directly")
+        raise ValueError("this parameter is not sharded by a zeroengine ZeRO stage (1-3): at stage 0 read it and "
+                         "its .grad directly (in fp16 training .grad is multiplied by engine.loss_scale until the "
+                         "step unscales it)")
     buffer, bucket_index, owner, param_index = entry
     bucket = buffer.layout.buckets[bucket_index]
     slot = next(s for s in bucket.slots if s.index == param_index)

@@ -52,6 +52,13 @@ class StepResult:
     loss_scale: float | None
 
 
+# The optimizer state of a ZeRO stage lives in pieces on every rank (and on the host under offload): one
+# rank's state_dict() is not the optimizer's. Checkpoints hold it by parameter name and range instead.
+_NO_STATE_DICT = ("the ZeRO optimizer's state is split across ranks and has no state_dict(): save and load it "
+                  "with engine.save_checkpoint / engine.load_checkpoint (any world size and stage), and read one "
+                  "parameter's with zeroengine.zero.safe_get_full_optimizer_state")
+
+
 class ZeroOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy, loss_scaler, gradient_clipping: float):
         self.optimizer = optimizer
@@ -61,6 +68,7 @@ class ZeroOptimizer:
         # bf16's check_grad_overflow (DeepSpeed's default): a step whose gradients are not finite is skipped
         # on every rank, as fp16's loss scaler does, instead of writing inf/nan into the weights.
         self.skip_nonfinite_steps = False
+        self.overflow = False  # DeepSpeed's flag: whether the last step was skipped for non-finite gradients
 
     # -- what torch.optim users and LR schedulers reach for ------------------
     @property
@@ -74,6 +82,17 @@ class ZeroOptimizer:
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name for the current loss scale (scripts log ``engine.optimizer.cur_scale``)."""
+        return self.loss_scale
+
+    def __getattr__(self, name: str):
+        # only reached for names the object lacks: DeepSpeed's get a hint, and hasattr() stays False
+        if name in ("state_dict", "load_state_dict"):
+            raise AttributeError(f"{type(self).__name__}.{name}: {_NO_STATE_DICT}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- stage-specific pieces ------------------------------------------------
     def begin_backward(self, is_boundary: bool) -> None:
@@ -126,6 +145,7 @@ class ZeroOptimizer:
             overflow = comm.all_reduce_scalar(0.0 if math.isfinite(norm) else 1.0, op=comm.ReduceOp.MAX) > 0
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(overflow)
+            self.overflow = overflow
             if overflow:
                 self.zero_grad()
                 return StepResult(applied=False, grad_norm=norm, loss_scale=scale_before)

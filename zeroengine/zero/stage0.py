@@ -62,8 +62,10 @@ class DataParallelOptimizer(ZeroOptimizer):
         return grads
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        # Gradients are already identical on every rank: no communication.
-        return math.sqrt(self.local_norm_sq(grads))
+        # Gradients are already identical on every rank: no communication. A non-finite total is inf (as at
+        # stages 1-3 and in DeepSpeed), also when an overflow made it nan.
+        total = self.local_norm_sq(grads)
+        return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def _refresh_model_params(self) -> None:
         if self.master_weights is not None:
