@@ -88,11 +88,15 @@ class ZeroOptimizer:
         """DeepSpeed's name for the current loss scale (scripts log ``engine.optimizer.cur_scale``)."""
         return self.loss_scale
 
-    def __getattr__(self, name: str):
-        # only reached for names the object lacks: DeepSpeed's get a hint, and hasattr() stays False
-        if name in ("state_dict", "load_state_dict"):
-            raise AttributeError(f"{type(self).__name__}.{name}: {_NO_STATE_DICT}")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # DeepSpeed's optimizer has these; here they are properties that raise AttributeError with a hint, so
+    # hasattr() stays False (no __getattr__: it would mask AttributeErrors raised inside other properties).
+    @property
+    def state_dict(self):
+        raise AttributeError(f"{type(self).__name__}.state_dict: {_NO_STATE_DICT}")
+
+    @property
+    def load_state_dict(self):
+        raise AttributeError(f"{type(self).__name__}.load_state_dict: {_NO_STATE_DICT}")
 
     # -- stage-specific pieces ------------------------------------------------
     def begin_backward(self, is_boundary: bool) -> None:
