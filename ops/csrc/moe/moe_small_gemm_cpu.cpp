@@ -50,12 +50,23 @@ float* scratch(int64_t floats, int slot) {
 // t[i][0..16) = sum over k < kc of a[i * a_row + k * a_step] * b[k * 16 + 0..16), for i < R.
 // b is packed and 32-byte aligned. When pf is set, the lines of the next panel's R rows
 // (pf + i * a_row, contiguous) are prefetched, one per 16 steps.
+// Row i of the tile (when R > i): its broadcast scalar times the 16 packed floats, into its two accumulators.
+#define ZE_TILE_ROW(i)                            \
+  if (R > i) {                                    \
+    x = _mm256_broadcast_ss(a##i + o);            \
+    c##i##0 = _mm256_fmadd_ps(x, b0, c##i##0);    \
+    c##i##1 = _mm256_fmadd_ps(x, b1, c##i##1);    \
+  }
+#define ZE_TILE_STORE(i) \
+  if (R > i) _mm256_store_ps(t[i], c##i##0), _mm256_store_ps(t[i] + 8, c##i##1);
+
 template <int R>
 inline void micro(const float* a, int64_t a_row, int64_t a_step, const float* b, int64_t kc, float (*t)[kNR],
                   const float* pf) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  // Named accumulators, not an array: gcc keeps an indexed __m256 array in memory (measured: half speed).
+  // Named accumulators (and a macro per row), not an array: gcc keeps an indexed __m256 array in memory
+  // (measured: half speed).
   const float* a0 = a;
   const float* a1 = a + (R > 1 ? a_row : 0);
   const float* a2 = a + (R > 2 ? 2 * a_row : 0);
@@ -68,42 +79,67 @@ inline void micro(const float* a, int64_t a_row, int64_t a_step, const float* b,
     }
     const int64_t o = k * a_step;
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-    __m256 x = _mm256_broadcast_ss(a0 + o);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
-    if (R > 1) {
-      x = _mm256_broadcast_ss(a1 + o);
-      c10 = _mm256_fmadd_ps(x, b0, c10);
-      c11 = _mm256_fmadd_ps(x, b1, c11);
-    }
-    if (R > 2) {
-      x = _mm256_broadcast_ss(a2 + o);
-      c20 = _mm256_fmadd_ps(x, b0, c20);
-      c21 = _mm256_fmadd_ps(x, b1, c21);
-    }
-    if (R > 3) {
-      x = _mm256_broadcast_ss(a3 + o);
-      c30 = _mm256_fmadd_ps(x, b0, c30);
-      c31 = _mm256_fmadd_ps(x, b1, c31);
-    }
-    if (R > 4) {
-      x = _mm256_broadcast_ss(a4 + o);
-      c40 = _mm256_fmadd_ps(x, b0, c40);
-      c41 = _mm256_fmadd_ps(x, b1, c41);
-    }
-    if (R > 5) {
-      x = _mm256_broadcast_ss(a5 + o);
-      c50 = _mm256_fmadd_ps(x, b0, c50);
-      c51 = _mm256_fmadd_ps(x, b1, c51);
+    __m256 x;
+    ZE_TILE_ROW(0)
+    ZE_TILE_ROW(1)
+    ZE_TILE_ROW(2)
+    ZE_TILE_ROW(3)
+    ZE_TILE_ROW(4)
+    ZE_TILE_ROW(5)
+  }
+  ZE_TILE_STORE(0)
+  ZE_TILE_STORE(1)
+  ZE_TILE_STORE(2)
+  ZE_TILE_STORE(3)
+  ZE_TILE_STORE(4)
+  ZE_TILE_STORE(5)
+}
+#undef ZE_TILE_ROW
+#undef ZE_TILE_STORE
+
+// A panel of `rows` rows of src (rows ld apart), elements [0, len) of each, as [len][W]:
+// dst[q * W + j] = src[j * ld + q], zero for rows <= j < W (the rows' elements at one q adjacent).
+template <int W>
+void pack_rows(const float* src, int64_t ld, int64_t rows, int64_t len, float* dst) {
+  for (int64_t j = 0; j < W; ++j) {
+    if (j < rows) {
+      for (int64_t q = 0; q < len; ++q) dst[q * W + j] = src[j * ld + q];
+    } else {
+      for (int64_t q = 0; q < len; ++q) dst[q * W + j] = 0.f;
     }
   }
-  _mm256_store_ps(t[0], c00);
-  _mm256_store_ps(t[0] + 8, c01);
-  if (R > 1) _mm256_store_ps(t[1], c10), _mm256_store_ps(t[1] + 8, c11);
-  if (R > 2) _mm256_store_ps(t[2], c20), _mm256_store_ps(t[2] + 8, c21);
-  if (R > 3) _mm256_store_ps(t[3], c30), _mm256_store_ps(t[3] + 8, c31);
-  if (R > 4) _mm256_store_ps(t[4], c40), _mm256_store_ps(t[4] + 8, c41);
-  if (R > 5) _mm256_store_ps(t[5], c50), _mm256_store_ps(t[5] + 8, c51);
+}
+
+// `rows` rows of src (rows ld apart, `cols` columns) in blocks of W columns, as [block][row][W]:
+// dst[(block * rows + r) * W + j] = src[r * ld + block * W + j], zero past cols.
+template <int W>
+void pack_column_blocks(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+  const int64_t blocks = (cols + W - 1) / W;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t block = 0; block < blocks; ++block) {
+      float* d = dst + (block * rows + r) * W;
+      for (int64_t j = 0; j < W; ++j) d[j] = block * W + j < cols ? src[r * ld + block * W + j] : 0.f;
+    }
+  }
+}
+
+// out[0, cols) = v (or out + v with add); a whole 16-float row by vector stores, streaming ones with
+// stream (never with add: a streaming store does not read the line).
+inline void write_row(float* out, const float* v, int64_t cols, bool add, bool stream) {
+  if (cols == kNR && stream && !add) {
+    _mm256_stream_ps(out, _mm256_load_ps(v));
+    _mm256_stream_ps(out + 8, _mm256_load_ps(v + 8));
+  } else if (cols == kNR) {
+    __m256 v0 = _mm256_load_ps(v), v1 = _mm256_load_ps(v + 8);
+    if (add) {
+      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(out));
+      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(out + 8));
+    }
+    _mm256_storeu_ps(out, v0);
+    _mm256_storeu_ps(out + 8, v1);
+  } else {
+    for (int64_t j = 0; j < cols; ++j) out[j] = add ? out[j] + v[j] : v[j];
+  }
 }
 
 void micro_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_step, const float* b, int64_t kc,
@@ -130,16 +166,7 @@ void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, 
     const int64_t kc = std::min(kKC, k - kb);
     // rows kb..kb+kc of a^T, 16 rows of a per block, zero-padded past m
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      float* p = packed + blk * kNR * kc;
-      for (int64_t j = 0; j < kNR; ++j) {
-        const int64_t row = blk * kNR + j;
-        if (row < m) {
-          const float* src = a + row * k + kb;
-          for (int64_t q = 0; q < kc; ++q) p[q * kNR + j] = src[q];
-        } else {
-          for (int64_t q = 0; q < kc; ++q) p[q * kNR + j] = 0.f;
-        }
-      }
+      pack_rows<kNR>(a + blk * kNR * k + kb, k, std::min(kNR, m - blk * kNR), kc, packed + blk * kNR * kc);
     }
     for (int64_t n0 = 0; n0 < n; n0 += kMR) {
       const int64_t rows = std::min(kMR, n - n0);
@@ -170,12 +197,7 @@ void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t 
     // a's columns nb..nb+nc as [6-row tile][column][6]: contiguous broadcasts (a's rows are n apart,
     // and 6 of them at a power-of-two stride would share one L1 set)
     for (int64_t tile = 0; tile < tiles; ++tile) {
-      float* dst = pa + tile * kMR * nc;
-      for (int64_t i = 0; i < kMR; ++i) {
-        const int64_t row = tile * kMR + i;
-        const float* src = a + row * n + nb;
-        for (int64_t q = 0; q < nc; ++q) dst[q * kMR + i] = row < m ? src[q] : 0.f;
-      }
+      pack_rows<kMR>(a + tile * kMR * n + nb, n, std::min(kMR, m - tile * kMR), nc, pa + tile * kMR * nc);
     }
     for (int64_t k0 = 0; k0 < k; k0 += kNR) {
       const int64_t cols = std::min(kNR, k - k0);
@@ -194,20 +216,7 @@ void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t 
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t m0 = tile * kMR, rows = std::min(kMR, m - m0);
         micro_rows(rows, pa + tile * kMR * nc, 1, kMR, strip, nc, t, nullptr);
-        for (int64_t i = 0; i < rows; ++i) {
-          float* out = c + (m0 + i) * k + k0;
-          if (cols == kNR) {
-            __m256 v0 = _mm256_load_ps(t[i]), v1 = _mm256_load_ps(t[i] + 8);
-            if (nb > 0 || accumulate) {
-              v0 = _mm256_add_ps(v0, _mm256_loadu_ps(out));
-              v1 = _mm256_add_ps(v1, _mm256_loadu_ps(out + 8));
-            }
-            _mm256_storeu_ps(out, v0);
-            _mm256_storeu_ps(out + 8, v1);
-          } else {
-            for (int64_t j = 0; j < cols; ++j) out[j] = nb == 0 && !accumulate ? t[i][j] : out[j] + t[i][j];
-          }
-        }
+        for (int64_t i = 0; i < rows; ++i) write_row(c + (m0 + i) * k + k0, t[i], cols, nb > 0 || accumulate, false);
       }
     }
   }
@@ -220,39 +229,18 @@ void tn(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t 
   const bool stream = m <= kMC && (reinterpret_cast<uintptr_t>(c) & 31) == 0 && (k % 8) == 0;
   for (int64_t mb = 0; mb < m; mb += kMC) {
     const int64_t mc = std::min(kMC, m - mb);
-    // b's rows mb..mb+mc as [16-column block][row][16], zero-padded past k
+    // b's rows mb..mb+mc as [16-column block][row][16], and a's as [6-column panel][row][6] (contiguous
+    // broadcasts), zero-padded past k and n
     float* pb = scratch(kblocks * mc * kNR, 0);
-    for (int64_t r = 0; r < mc; ++r) {
-      const float* src = b + (mb + r) * k;
-      for (int64_t kb = 0; kb < kblocks; ++kb) {
-        float* dst = pb + (kb * mc + r) * kNR;
-        const int64_t cols = std::min(kNR, k - kb * kNR);
-        for (int64_t j = 0; j < kNR; ++j) dst[j] = j < cols ? src[kb * kNR + j] : 0.f;
-      }
-    }
-    // a's columns as [6-column panel][row][6] (contiguous broadcasts), zero-padded past n
+    pack_column_blocks<kNR>(b + mb * k, k, mc, k, pb);
     float* pa = scratch(panels * mc * kMR, 1);
-    for (int64_t r = 0; r < mc; ++r) {
-      const float* src = a + (mb + r) * n;
-      for (int64_t p = 0; p < panels; ++p) {
-        float* dst = pa + (p * mc + r) * kMR;
-        for (int64_t i = 0; i < kMR; ++i) dst[i] = p * kMR + i < n ? src[p * kMR + i] : 0.f;
-      }
-    }
+    pack_column_blocks<kMR>(a + mb * n, n, mc, n, pa);
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t rows = std::min(kMR, n - p * kMR);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
         micro_rows(rows, pa + p * mc * kMR, 1, kMR, pb + kb * mc * kNR, mc, t, nullptr);
         const int64_t cols = std::min(kNR, k - kb * kNR);
-        for (int64_t i = 0; i < rows; ++i) {
-          float* out = c + (p * kMR + i) * k + kb * kNR;
-          if (stream && cols == kNR) {
-            _mm256_stream_ps(out, _mm256_load_ps(t[i]));
-            _mm256_stream_ps(out + 8, _mm256_load_ps(t[i] + 8));
-          } else {
-            for (int64_t j = 0; j < cols; ++j) out[j] = mb == 0 ? t[i][j] : out[j] + t[i][j];
-          }
-        }
+        for (int64_t i = 0; i < rows; ++i) write_row(c + (p * kMR + i) * k + kb * kNR, t[i], cols, mb > 0, stream);
       }
     }
   }
