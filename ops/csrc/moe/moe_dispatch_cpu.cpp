@@ -87,6 +87,27 @@ std::vector<T*> row_table(const std::vector<at::Tensor>& parts, int64_t d) {
   return table;
 }
 
+// acc[0, d) = sum over token t's kept assignments j of w[t, j] * y[rows[t, j]] (w null: weight 1),
+// zeros when none is kept. The first kept row is assigned, not added to zeros (one pass less).
+template <typename T, typename Acc>
+inline void combine_token(const T* const* yrow, const int64_t* rows, const float* w, int64_t t, int64_t k, int64_t d,
+                          Acc* acc) {
+  bool first = true;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t r = rows[t * k + j];
+    if (r < 0) continue;
+    const Acc wj = w ? static_cast<Acc>(w[t * k + j]) : Acc(1);
+    const T* yr = yrow[r];
+    if (first) {
+      for (int64_t c = 0; c < d; ++c) acc[c] = wj * static_cast<Acc>(yr[c]);
+      first = false;
+    } else {
+      for (int64_t c = 0; c < d; ++c) acc[c] += wj * static_cast<Acc>(yr[c]);
+    }
+  }
+  if (first) std::fill(acc, acc + d, Acc(0));
+}
+
 // Rows of y are reached through a table of row pointers, so y may be one tensor or the expert
 // outputs as separate tensors (no concatenation copy; see combine_segments).
 template <typename T>
@@ -101,20 +122,7 @@ void combine_kernel(const T* const* yrow, const int64_t* rows, const float* w, T
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
       Acc* acc = kInPlace ? reinterpret_cast<Acc*>(out + t * d) : buf.data();
-      bool first = true;  // the first kept row is assigned, not added to zeros (one pass less)
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t r = rows[t * k + j];
-        if (r < 0) continue;
-        const Acc wj = w ? static_cast<Acc>(w[t * k + j]) : Acc(1);
-        const T* yr = yrow[r];
-        if (first) {
-          for (int64_t c = 0; c < d; ++c) acc[c] = wj * static_cast<Acc>(yr[c]);
-          first = false;
-        } else {
-          for (int64_t c = 0; c < d; ++c) acc[c] += wj * static_cast<Acc>(yr[c]);
-        }
-      }
-      if (first) std::fill(acc, acc + d, Acc(0));
+      combine_token<T, Acc>(yrow, rows, w, t, k, d, acc);
       if constexpr (!kInPlace) {
         T* o = out + t * d;
         for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c]);
@@ -230,22 +238,7 @@ at::Tensor combine_segments_addmm(const std::vector<at::Tensor>& ys, const at::T
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens * d * k > kParallelGrain)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t t0 = b * kBlock, t1 = std::min(tokens, t0 + kBlock);
-    for (int64_t t = t0; t < t1; ++t) {
-      float* o = op + t * d;
-      bool first = true;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t row = r[t * k + j];
-        if (row < 0) continue;
-        const float* yr = yrow[row];
-        if (first) {
-          std::memcpy(o, yr, sizeof(float) * d);
-          first = false;
-        } else {
-          for (int64_t c = 0; c < d; ++c) o[c] += yr[c];
-        }
-      }
-      if (first) std::fill(o, o + d, 0.f);
-    }
+    for (int64_t t = t0; t < t1; ++t) combine_token<float, float>(yrow.data(), r, nullptr, t, k, d, op + t * d);
     small_gemm::nn(ap + t0 * e, wp, op + t0 * d, t1 - t0, e, d, /*accumulate=*/true);
   }
   return out;
