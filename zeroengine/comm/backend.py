@@ -17,7 +17,6 @@ from .handshake import comm_timeout_s, default_timeout_s
 from .sequence_check import CollectiveSequenceChecker
 
 
-
 class _State:
     checker: CollectiveSequenceChecker | None = None
     checker_generation: int = 0

@@ -29,8 +29,8 @@ reasons, in order of size:
   (``ops/csrc/moe/moe_small_gemm_cpu.cpp``; up to 256 rows, fp32, AVX2 + FMA, when each
   expert runs on one thread).
 
-The workspace holds one gradient-sized buffer per weight and the
-two hidden activations between steps (memory a caching allocator would hold too);
+The workspace holds one gradient-sized buffer per weight and the two hidden activations
+between steps (memory a caching allocator would hold too);
 ``experts.grad_workspace.enabled = False`` frees them and allocates afresh each step.
 """
 from __future__ import annotations

@@ -37,6 +37,7 @@ from zeroengine.config.errors import ConfigError
 class OptimizerParamsError(ConfigError, ValueError):
     """A bad ``optimizer.params`` entry: a ConfigError naming the key, and a ValueError for direct callers."""
 
+
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_NAMES = ("Adam", "AdamW", "SGD", "CPUAdam")
@@ -82,9 +83,10 @@ def _build_adam(name: str, kwargs: dict, groups: list, offload_optimizer: bool) 
             cpu_adam = _import_cpu_adam(required=False)
             if cpu_adam is not None:
                 if kwargs.get("amsgrad"):
-                    raise OptimizerParamsError("optimizer.params.amsgrad", "the offloaded optimizer step runs zeroengine's "
-                                      "CPUAdam, which has no amsgrad: set it to false, or turn "
-                                      "zero_optimization.offload_optimizer off")
+                    raise OptimizerParamsError("optimizer.params.amsgrad",
+                                               "the offloaded optimizer step runs zeroengine's CPUAdam, which has "
+                                               "no amsgrad: set it to false, or turn "
+                                               "zero_optimization.offload_optimizer off")
                 kwargs.pop("amsgrad", None)
                 return _construct(cpu_adam, groups, {**kwargs, "adamw_mode": decoupled}, "CPUAdam",
                                   why=" (zero_optimization.offload_optimizer steps with zeroengine's CPUAdam)")
@@ -189,6 +191,6 @@ def _construct(cls, groups: list, kwargs: dict, type_name: str, why: str = "") -
                 if n not in ("self", "params", "decoupled_weight_decay", "adamw_mode")]
     unknown = sorted(set(kwargs) - set(accepted) - {"adamw_mode"})
     if unknown:
-        raise OptimizerParamsError(f"optimizer.params.{unknown[0]}",
-                          f"not a parameter of {type_name}{why}: unknown {unknown}; accepted: {', '.join(accepted)}")
+        raise OptimizerParamsError(f"optimizer.params.{unknown[0]}", f"not a parameter of {type_name}{why}: "
+                                   f"unknown {unknown}; accepted: {', '.join(accepted)}")
     return cls(groups, **kwargs)

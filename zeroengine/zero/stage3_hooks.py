@@ -234,11 +234,11 @@ class Stage3Hooks:
 
     # -- fetching --------------------------------------------------------------------
     def _need(self, event: FetchEvent) -> None:
-        check = self.units[event.units[0]].buffer.order_check
+        first = self.units[event.units[0]]
+        check = first.buffer.order_check
         if check is None:
             self._fetch(event)
             return
-        first = self.units[event.units[0]]
         with check.event(event.module, event.phase, (first.buffer.order_tag, first.bucket.index), event.units):
             self._fetch(event)
 
