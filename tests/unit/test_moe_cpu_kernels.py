@@ -165,6 +165,46 @@ def test_grouped_gemms_match_torch_at_every_tile_edge(threads, k_dim, n_dim, cou
         torch.testing.assert_close(grad_b[e], g[s:s + c].sum(0), rtol=1e-5, atol=1e-4)
 
 
+# The router's GEMMs (moe_router_cpu.cpp): experts past one 16-wide block and not a multiple of it, tokens
+# past the 256-token forward block and not a multiple of the 6-row tile, contraction past 256, more
+# threads than tokens, no tokens, and a size large enough to run threaded.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tokens,experts,dim", [(1, 1, 1), (3, 5, 7), (257, 37, 300), (600, 64, 512),
+                                                (2, 70, 513), (0, 8, 16), (1100, 8, 24)])
+def test_router_gemms_match_torch_at_every_tile_edge(threads, tokens, experts, dim):
+    from zeroengine.ops.moe_dispatch import cpu_kernel
+
+    kernel = cpu_kernel(torch.zeros(1), "kernel")
+    if not kernel.small_gemm_available():
+        pytest.skip("the small-row GEMMs need AVX2 + FMA")
+    torch.manual_seed(tokens + experts + dim)
+    x, wg, grad_logits = torch.randn(tokens, dim), torch.randn(experts, dim), torch.randn(tokens, experts)
+    old = _set_threads(threads)
+    try:
+        logits = kernel.router_logits(x, wg)
+        grad_wg = kernel.router_weight_grad(grad_logits, x)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(logits, x @ wg.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_wg, grad_logits.t() @ x, rtol=1e-5, atol=1e-4)
+
+
+def test_router_gemms_refuse_what_they_do_not_take():
+    from zeroengine.ops.moe_dispatch import cpu_kernel
+
+    kernel = cpu_kernel(torch.zeros(1), "kernel")
+    if not kernel.small_gemm_available():
+        pytest.skip("the small-row GEMMs need AVX2 + FMA")
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-d float32"):
+        kernel.router_logits(torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="router_logits: x is"):
+        kernel.router_logits(torch.randn(4, 8), torch.randn(3, 9))
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        kernel.router_weight_grad(torch.randn(4, 3), torch.randn(8, 4).t())
+    with pytest.raises(RuntimeError, match="router_weight_grad: grad_logits is"):
+        kernel.router_weight_grad(torch.randn(5, 3), torch.randn(4, 8))
+
+
 def test_grouped_gemms_with_an_empty_contraction_give_the_bias_or_zeros():
     from zeroengine.ops.moe_dispatch import cpu_kernel
 

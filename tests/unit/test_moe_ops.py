@@ -27,10 +27,11 @@ def _routing(tokens, k, experts, drop_every=0, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("k,drop", [(1, 0), (2, 0), (2, 3)])
-def test_kernel_matches_reference(dtype, k, drop):
+@pytest.mark.parametrize("hidden", [24, 77])  # 77: the fp32 dot's 32-wide steps, an 8-wide step and a tail
+def test_kernel_matches_reference(dtype, k, drop, hidden):
     if md.backend("cpu", dtype) != "cpp":
         pytest.skip("moe_dispatch C++ op not available here")
-    tokens, hidden, experts = 37, 24, 5
+    tokens, experts = 37, 5
     index, rows = _routing(tokens, k, experts, drop)
     tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
     results = {}
@@ -45,8 +46,12 @@ def test_kernel_matches_reference(dtype, k, drop):
         probe = torch.randn(tokens, hidden, dtype=dtype, generator=torch.Generator().manual_seed(2))
         (out.float() * probe.float()).sum().backward()
         results[impl] = (permuted.detach(), out.detach(), x.grad, w.grad)
-    for got, want in zip(results["kernel"], results["torch"]):
+    for got, want in zip(results["kernel"][:3], results["torch"][:3]):
         torch.testing.assert_close(got, want, **tol)
+    # The weights' gradient is a dot product over hidden whose terms (|y| ~ sqrt(hidden)) are several
+    # times the result: kernel and reference sum in different orders, a few ulps of those terms apart.
+    w_tol = tol if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results["kernel"][3], results["torch"][3], **w_tol)
     # dropped assignments contribute nothing and get a zero weight gradient
     assert torch.all(results["kernel"][3][rows < 0] == 0)
 

@@ -6,6 +6,8 @@ the gathered rows; run as separate nodes, each backward writes a ``[tokens, hidd
 and autograd adds them (an 8 MiB allocation and a pass reading 16 MiB at 4096 x 512, fp32).
 Here backward scatters the rows' gradients into one buffer and adds the router's part into it
 with the GEMM itself (``addmm_``, beta = 1), and the router's weight gradient is the other GEMM.
+Where the small-row GEMM kernels are built (AVX2 + FMA) the router's logits and weight gradient use
+them too (ops/csrc/moe/moe_router_cpu.cpp: skinny GEMMs, E = 8-64 columns, where they beat MKL).
 The forward is what :class:`~zeroengine.moe.gate.TopKGate` (its fused-kernel path,
 :mod:`zeroengine.moe.fused_gate`) followed by the gather computes, so results are the same; it
 applies where that path applies and the gate is plain (:func:`applies`); elsewhere the layer
@@ -49,7 +51,9 @@ def route_gather(gate: TopKGate, x: torch.Tensor, split: bool, impl: str = "auto
 class _RouteGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wg, k, capacity, renormalize, split, kernel):
-        logits = torch.mm(x, wg.t())
+        wg = wg.contiguous()
+        small_gemm = kernel.small_gemm_available()  # the router's GEMMs by the small-row kernels (AVX2)
+        logits = kernel.router_logits(x, wg) if small_gemm else torch.mm(x, wg.t())
         probs, outs, l_aux, scale = kernel_forward(kernel, logits, logits, k, capacity, renormalize)
         (expert_index, chosen, kept, weights, exp_counts, kept_counts, first_counts, _prob_sum, rows, index,
          _order) = outs
@@ -58,7 +62,7 @@ class _RouteGather(torch.autograd.Function):
         else:
             gathered = (kernel.gather_rows(x, index),)
         ctx.save_for_backward(x, wg, probs, expert_index, chosen, kept, first_counts, rows)
-        ctx.kernel, ctx.renormalize, ctx.scale = kernel, renormalize, scale
+        ctx.kernel, ctx.renormalize, ctx.scale, ctx.small_gemm = kernel, renormalize, scale, small_gemm
         ctx.row_sizes = [g.shape[0] for g in gathered]
         ctx.mark_non_differentiable(exp_counts, kept_counts, rows)
         return (*gathered, weights, l_aux, exp_counts, kept_counts, rows)
@@ -76,15 +80,15 @@ class _RouteGather(torch.autograd.Function):
                 # the rows' gradients scattered back (a unit-weight combine) and the router's part added, in
                 # one pass over token blocks where the small-row GEMMs are built, else as two calls
                 rows_grads = _fill_missing(grad_rows, ctx.row_sizes, x)
-                if kernel.small_gemm_available():
-                    grad_x = kernel.combine_segments_addmm(rows_grads, rows, grad_logits, wg.contiguous())
+                if ctx.small_gemm:
+                    grad_x = kernel.combine_segments_addmm(rows_grads, rows, grad_logits, wg)
                 else:
                     grad_x = kernel.combine_segments(rows_grads, rows, None)
                     grad_x.addmm_(grad_logits, wg)
             else:
                 grad_x = torch.mm(grad_logits, wg)
         if ctx.needs_input_grad[1]:
-            grad_wg = torch.mm(grad_logits.t(), x)
+            grad_wg = kernel.router_weight_grad(grad_logits, x) if ctx.small_gemm else torch.mm(grad_logits.t(), x)
         return grad_x, grad_wg, None, None, None, None, None
 
 

@@ -22,12 +22,13 @@ class FusedAdamBuilder(CUDAOpBuilder):
 
 
 class MoEDispatchBuilder(CPUOpBuilder):
-    """MoE token permutation and weighted un-permutation, grouped expert GEMMs and the fused top-k gate on
-    CPU (ops/csrc/moe/moe_{dispatch,grouped,gate}_cpu.cpp)."""
+    """MoE token permutation and weighted un-permutation, grouped expert GEMMs, the fused top-k gate and
+    the router's GEMMs on CPU (ops/csrc/moe/moe_{dispatch,grouped,gate,router}_cpu.cpp)."""
 
     NAME = "moe_dispatch"
     SOURCE_DIR = "moe"
-    SOURCES = ("moe_dispatch_cpu.cpp", "moe_grouped_cpu.cpp", "moe_gate_cpu.cpp", "moe_small_gemm_cpu.cpp")
+    SOURCES = ("moe_dispatch_cpu.cpp", "moe_grouped_cpu.cpp", "moe_gate_cpu.cpp", "moe_small_gemm_cpu.cpp",
+               "moe_router_cpu.cpp")
 
     def status(self) -> dict:
         """Adds whether the small-row expert GEMMs are compiled in (they need AVX2 + FMA; without them

@@ -4,6 +4,7 @@
 //   all experts in one OpenMP region (each GEMM single-threaded inside it).
 // moe_gate_cpu.cpp: the top-k router after the logits GEMM, forward and backward in one pass
 //   each (softmax, top-k, capacity positions, counts, dispatch index maps, aux-loss terms).
+// moe_router_cpu.cpp: the router's logits GEMM and its weight gradient (fp32, small-row kernels).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,10 @@ std::vector<at::Tensor> topk_gate_forward(const at::Tensor& logits, const std::o
 at::Tensor topk_gate_backward(const at::Tensor& probs, const at::Tensor& expert_index, const at::Tensor& chosen,
                               const at::Tensor& kept, const at::Tensor& grad_weights, const at::Tensor& aux_coef,
                               bool renormalize);
+
+// x [S, D] @ wg [E, D]^T and grad_logits [S, E]^T @ x [S, D]; need small_gemm::available().
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& wg);
+at::Tensor router_weight_grad(const at::Tensor& grad_logits, const at::Tensor& x);
 
 }  // namespace moe
 }  // namespace ze

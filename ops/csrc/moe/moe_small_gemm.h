@@ -14,8 +14,10 @@ constexpr int64_t kMaxRows = 256;
 // Whether the kernels were compiled (AVX2 + FMA); without them the functions below do nothing.
 bool available();
 
-// c[m][n] = sum_k a[m][k] w[n][k] (+ bias[n]):  a [m, k], w [n, k], c [m, n].
-void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, int64_t n, int64_t k);
+// c[m][n] = sum_k a[m][k] w[n][k] (+ bias[n]):  a [m, k], w [n, k], c [m, n]; with out_transposed c is
+// [n, m] instead (c[n][m] = the same sum; no bias then: pass nullptr).
+void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, int64_t n, int64_t k,
+        bool out_transposed = false);
 
 // c[m][k] = sum_n a[m][n] w[n][k] (added to c's values with accumulate):  a [m, n], w [n, k], c [m, k].
 void nn(const float* a, const float* w, float* c, int64_t m, int64_t n, int64_t k, bool accumulate = false);

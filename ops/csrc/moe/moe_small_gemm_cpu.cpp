@@ -158,7 +158,8 @@ void micro_rows(int64_t rows, const float* a, int64_t a_row, int64_t a_step, con
 
 bool available() { return true; }
 
-void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, int64_t n, int64_t k) {
+void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, int64_t n, int64_t k,
+        bool out_transposed) {
   const int64_t blocks = (m + kNR - 1) / kNR;
   float* packed = scratch(blocks * kNR * kKC, 0);
   alignas(32) float t[kMR][kNR];
@@ -175,6 +176,12 @@ void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, 
       for (int64_t blk = 0; blk < blocks; ++blk) {
         micro_rows(rows, panel, k, 1, packed + blk * kNR * kc, kc, t, blk == 0 ? next : nullptr);
         const int64_t cols = std::min(kNR, m - blk * kNR);
+        if (out_transposed) {  // tile row i is 16 consecutive outputs of c's row n0 + i
+          for (int64_t i = 0; i < rows; ++i) {
+            write_row(c + (n0 + i) * m + blk * kNR, t[i], cols, kb > 0, false);
+          }
+          continue;
+        }
         for (int64_t j = 0; j < cols; ++j) {
           float* out = c + (blk * kNR + j) * n + n0;
           for (int64_t i = 0; i < rows; ++i) {
@@ -250,7 +257,7 @@ void tn(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t 
 #else  // built without AVX2 + FMA: callers use ATen's GEMMs
 
 bool available() { return false; }
-void nt(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+void nt(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, bool) {}
 void nn(const float*, const float*, float*, int64_t, int64_t, int64_t, bool) {}
 void tn(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 
