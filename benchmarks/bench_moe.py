@@ -28,7 +28,9 @@ unless that traffic overlaps GEMM arithmetic (at 64 experts the weights are 512 
 cache, and this is more than 5% of the floor).
 
 ``overhead`` rows repeat the same shapes with a near-zero-cost expert (one elementwise
-scale), so what remains is routing, dispatch and combine. Every repeat times each
+scale), so what remains is routing, dispatch and combine, plus the router's GEMMs and the expert
+calls themselves; the ``gate+experts`` row (:class:`GateAndExperts`) times just those two, and
+``beyond gate+experts`` ratios subtract it. Every repeat times each
 candidate once, in turn (machine noise hits all alike); tables show the median and
 the best, and the JSON records the load average at start and end. ``a2a`` rows: ``zeroengine.moe.MoE`` with ``ep_size`` = world on 2 and 4 gloo
 ranks (tokens per rank as above, the cheap expert), against the same layer with every
@@ -86,6 +88,25 @@ class NaiveMoE(nn.Module):
         return out
 
 
+class GateAndExperts(nn.Module):
+    """The ``gate+experts`` row (overhead rows): what every candidate computes besides routing, dispatch
+    and combine, forward and backward. The router's logits GEMM on the tokens, and each expert on as many
+    rows as the routing gives it. Those rows are the expert's own leaf inputs (no gather, no combine), so
+    the row also counts their input gradients. ``candidate - gate+experts`` is then what the candidate
+    spends on softmax and top-k, moving rows to the experts and back, combining, and assembling x's
+    gradient."""
+
+    def __init__(self, gate, experts, counts: list[int], hidden: int):
+        super().__init__()
+        self.wg, self.experts = nn.Linear(hidden, gate.wg.weight.shape[0], bias=False), experts
+        self.wg.weight.data.copy_(gate.wg.weight.data)
+        self.rows = nn.ParameterList(nn.Parameter(torch.randn(c, hidden)) for c in counts)
+        self.output_grads = None  # made on first use, then reused (as fwd_bwd reuses its gradient)
+
+    def forward(self, x):
+        return [self.wg(x), *(expert(r) for expert, r in zip(self.experts, self.rows))]
+
+
 class SortMoE(nn.Module):
     """Sort-based dispatch in plain PyTorch over the same gate."""
 
@@ -121,6 +142,10 @@ def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepsp
     found["naive"] = (NaiveMoE(gate, local), x)
     found["sort"] = (SortMoE(gate, local), x)
     found["zeroengine"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False), x)
+    if kind == "cheap":
+        counts = gate(x).exp_counts.tolist()  # the rows each expert gets (dropless: every assignment)
+        found["gate+experts"] = (GateAndExperts(gate, nn.ModuleList(make_expert(kind, hidden, ffn)
+                                                                    for _ in range(experts)), counts, hidden), x)
     if kind == "cheap":  # the same layer with the small experts single-threaded (serial_below, opt-in)
         serial = MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False)
         serial.local_experts.serial_below = 1 << 16
@@ -160,6 +185,11 @@ def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepsp
 def fwd_bwd(module, x, grad):
     x = x.detach().requires_grad_()
     out = module(x)
+    if isinstance(out, list):  # the gate+experts row: several outputs, each with its own gradient
+        if module.output_grads is None:
+            module.output_grads = [torch.randn_like(o) for o in out]
+        torch.autograd.backward(out, module.output_grads)
+        return
     if isinstance(out, tuple):  # zeroengine and DeepSpeed return (output, l_aux, exp_counts)
         out = out[0]
     out.backward(grad)
@@ -254,7 +284,7 @@ def run_a2a(worlds, tokens, hidden, experts, k, repeats):
 
 
 # -- report ----------------------------------------------------------------------------------------
-COLUMNS = ["floor", "traffic", "bound", "naive", "sort", "deepspeed", "ze-loop", "ze-serial", "zeroengine",
+COLUMNS = ["floor", "traffic", "bound", "gate+experts", "naive", "sort", "deepspeed", "ze-loop", "ze-serial", "zeroengine",
            "ze-stacked"]
 
 
@@ -272,10 +302,12 @@ def print_table(title, shapes):
     print("(ms: median (best) of the repeats)")
 
 
-def ratios(shapes, baseline_of, ours_of=("zeroengine", "ze-stacked")):
+def ratios(shapes, baseline_of, ours_of=("zeroengine", "ze-stacked"), shared="gate+experts"):
     """``other/ours`` by median and by best time (> 1: ours is faster; the floor's ratio is <= 1), and
     ``(paired)``: the median over repeats of the ratio within a repeat (the two ran back to back, so
-    load from other processes that changes between repeats cancels out)."""
+    load from other processes that changes between repeats cancels out). Where the ``shared`` row ran
+    (overhead rows), ``other/ours beyond gate+experts`` is the same ratio, median and paired, of each time
+    minus that row's: the routing, dispatch and combine alone."""
     out = []
     for s in shapes:
         rows = s["rows"]
@@ -289,6 +321,13 @@ def ratios(shapes, baseline_of, ours_of=("zeroengine", "ze-stacked")):
                     entry[f"{other}/{ours} (best)"] = rows[other]["best_s"] / rows[ours]["best_s"]
                     entry[f"{other}/{ours} (paired)"] = statistics.median(
                         a / b for a, b in zip(rows[other]["runs"], rows[ours]["runs"]))
+                    if "median_s" in rows.get(shared, {}) and other not in ("floor", "bound"):
+                        base = rows[shared]
+                        entry[f"{other}/{ours} beyond {shared}"] = ((rows[other]["median_s"] - base["median_s"])
+                                                                   / (rows[ours]["median_s"] - base["median_s"]))
+                        entry[f"{other}/{ours} beyond {shared} (paired)"] = statistics.median(
+                            (a - f) / (b - f) for a, b, f in zip(rows[other]["runs"], rows[ours]["runs"],
+                                                                 base["runs"]))
         out.append(entry)
     return out
 
@@ -345,8 +384,15 @@ def main(argv=None):
                     "(near-zero-cost expert)", shapes)
         for r in result[f"{kind}_ratios"]:
             print("  " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
-                                   for key, v in r.items() if "(best)" not in key and "(paired)" not in key))
-            print("    paired: " + ", ".join(f"{key[:-9]} {v:.3f}" for key, v in r.items() if "(paired)" in key))
+                                   for key, v in r.items() if "(best)" not in key and "(paired)" not in key
+                                   and "beyond" not in key))
+            print("    paired: " + ", ".join(f"{key[:-9]} {v:.3f}" for key, v in r.items()
+                                         if "(paired)" in key and "beyond" not in key))
+            beyond = {key: v for key, v in r.items() if "beyond" in key}
+            if beyond:
+                print("    beyond gate+experts (median; paired): " + ", ".join(
+                    f"{key.split(' beyond')[0]} {v:.3f}; {beyond[key + ' (paired)']:.3f}"
+                    for key, v in beyond.items() if "(paired)" not in key))
     worlds = [int(w) for w in args.a2a_worlds.split(",") if w] if device == "cpu" else []
     if worlds:
         result["a2a"] = run_a2a(worlds, args.tokens, args.hidden, min(experts), max(ks), args.overhead_repeats)

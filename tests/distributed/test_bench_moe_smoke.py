@@ -27,5 +27,11 @@ def test_quick_run_reports_every_candidate(tmp_path):
     for shape in result["mlp"] + result["cheap"]:
         assert all(math.isfinite(r["median_s"]) and r["median_s"] > 0 for r in shape["rows"].values())
     assert len(result["mlp_ratios"]) == 4 and "naive/zeroengine" in result["cheap_ratios"][0]
+    for shape, r in zip(result["cheap"], result["cheap_ratios"]):  # the overhead rows' shared floor
+        rows = shape["rows"]
+        assert "gate+experts" in rows and "naive/zeroengine beyond gate+experts (paired)" in r
+        want = ((rows["naive"]["median_s"] - rows["gate+experts"]["median_s"])
+                / (rows["zeroengine"]["median_s"] - rows["gate+experts"]["median_s"]))
+        assert math.isclose(r["naive/zeroengine beyond gate+experts"], want)
     assert "bound/zeroengine" in result["mlp_ratios"][0] and len(result["load_average_start"]) == 3
     assert result["a2a"]["2"]["all_to_all_s"] > 0 and result["a2a"]["2"]["bytes_sent_per_rank"] > 0
