@@ -278,3 +278,29 @@ def test_moving_a_parameter_is_fine_and_replacing_a_persistent_one_is_refused():
     for shape, message in run_distributed(_legitimate_swaps, 2):
         assert shape == (1, 4)
         assert "1.weight was replaced by a new Parameter" in message, message
+
+
+# -- a local failure inside a gather keeps its own type and message ----------------------------------------
+
+def _local_failure_in_a_gather(rank, world):
+    engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=base_config(2, 1, world, 0.0, stage=3))
+    real = comm.all_gather
+
+    def out_of_memory(*args, **kwargs):  # what staging an offloaded shard on a full device raises
+        raise RuntimeError("simulated: out of memory staging a shard")
+
+    comm.all_gather = out_of_memory
+    try:
+        engine(torch.randn(2, 8), skip=False)
+    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+        return type(exc), str(exc)
+    finally:
+        comm.all_gather = real
+    return None, ""
+
+
+def test_a_local_error_in_a_stage3_gather_is_not_reported_as_ranks_diverging():
+    # It used to come back as a collective error telling the user the ranks ran different modules.
+    for kind, message in run_distributed(_local_failure_in_a_gather, 2, timeout_s=60):
+        assert kind is RuntimeError and not issubclass(kind, comm.CollectiveError), (kind, message)
+        assert message == "simulated: out of memory staging a shard"

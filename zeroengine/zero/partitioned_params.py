@@ -59,10 +59,6 @@ from .layout import Bucket, FlatLayout
 from .param_guard import full_shape, mark_gathered, mark_partitioned
 
 
-class Stage3CollectiveError(comm.CollectiveError):
-    """A stage-3 parameter all-gather failed (typically: ranks ran different modules and desynchronised)."""
-
-
 @dataclass
 class FetchStats:
     """What the gathers of one buffer cost, for tests and benchmarks (elements, not bytes)."""
@@ -158,18 +154,16 @@ class PartitionedParamBuffer(ParamBuffer):
         # The label goes into the collective's fingerprint (comm_debug): a rank that skipped a module
         # shows up as "rank 0 gathered for module A, rank 1 for module B".
         ctx = comm.collective_context(label) if label else nullcontext()
-        try:
-            # The gather rewrites a tensor autograd may have saved views of: same values, so the
-            # version bump an in-place write makes would only raise a false "modified in place" error.
-            own = self.chunk_view(bucket, self.rank)
-            if own.device != full.device:  # offloaded shard: up first (the collective keeps the copy alive)
-                own = own.to(full.device, non_blocking=own.is_pinned())
-            with ctx, torch.autograd._unsafe_preserve_version_counter(full):
-                return comm.all_gather(full, own, group=self.group, async_op=async_op)
-        except (comm.CollectiveMismatchError, comm.CollectiveError):
-            raise  # comm_debug names every rank's collective; a CollectiveError names this one and its module
-        except RuntimeError as exc:
-            raise self._desync_error(label, exc) from exc
+        own = self.chunk_view(bucket, self.rank)
+        if own.device != full.device:  # offloaded shard: up first (the collective keeps the copy alive)
+            own = own.to(full.device, non_blocking=own.is_pinned())
+        # The gather rewrites a tensor autograd may have saved views of: same values, so the version
+        # bump an in-place write makes would only raise a false "modified in place" error. A failed or
+        # timed-out collective raises comm's CollectiveError, which names the module (the label) and,
+        # for a peer's fault, suggests comm_debug; a local error (say, out of memory staging an offloaded
+        # shard) stays what it is.
+        with ctx, torch.autograd._unsafe_preserve_version_counter(full):
+            return comm.all_gather(full, own, group=self.group, async_op=async_op)
 
     def fetch_async(self, bucket: Bucket, label: str = "") -> None:
         """Start gathering ``bucket`` (a prefetch); :meth:`gather` completes it."""
@@ -184,12 +178,7 @@ class PartitionedParamBuffer(ParamBuffer):
         if work is not None:
             if not work.is_completed():
                 self.stats.waited_in_flight += 1
-            try:
-                work.wait()
-            except comm.CollectiveError:
-                raise
-            except RuntimeError as exc:
-                raise self._desync_error(label, exc) from exc
+            work.wait()  # a CollectiveError names this collective and its module
             self._pending[bucket.index] = None
         elif self.full[bucket.index] is None:
             self.stats.on_demand += 1
@@ -305,13 +294,6 @@ class PartitionedParamBuffer(ParamBuffer):
                     view.copy_(p.detach())
             with torch._C.DisableTorchFunctionSubclass():
                 p.data = view
-
-    def _desync_error(self, label: str, exc: Exception) -> Stage3CollectiveError:
-        return Stage3CollectiveError(
-            f"rank {self.rank}: the stage-3 all-gather of {label or 'a parameter bucket'} failed ({exc}). Every "
-            "rank must run the same modules in the same order: a module skipped (or called) on some ranks "
-            "only leaves the others waiting in this collective. Run with \"comm_debug\": true (or "
-            "ZEROENGINE_COMM_DEBUG=1) to have each rank's module and call site compared and named.")
 
     # -- after the optimizer step ------------------------------------------------
     def write_chunk(self, bucket: Bucket, values: torch.Tensor):
