@@ -37,11 +37,14 @@ def test_estimate_arguments_that_cannot_mean_anything_are_usage_errors(argv, cap
     assert exit_info.value.code == 2 and "ze_report: error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("simd,shown", [("avx2", "small-row expert GEMMs: on"),
-                                        ("scalar", "small-row expert GEMMs: off, ATen's GEMMs instead")])
-def test_report_says_whether_the_moe_small_row_gemms_are_compiled_in(simd, shown, monkeypatch, capsys):
+@pytest.mark.parametrize("simd,switch,shown", [
+    ("avx2", "1", "small-row GEMMs: on"),
+    ("scalar", "1", "small-row GEMMs: off, ATen's GEMMs instead (SIMD scalar)"),
+    ("avx2", "0", "small-row GEMMs: off, ATen's GEMMs instead (ZEROENGINE_MOE_SMALL_GEMM=0)")])
+def test_report_says_whether_the_moe_small_row_gemms_are_in_use(simd, switch, shown, monkeypatch, capsys):
     # a forced SIMD level changes the build hash: nothing is built here, the report never builds
     monkeypatch.setenv("ZEROENGINE_SIMD", simd)
+    monkeypatch.setenv("ZEROENGINE_MOE_SMALL_GEMM", switch)
     assert env_report.main(["--no-color"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("moe_dispatch "))
     assert shown in line

@@ -59,9 +59,27 @@ def _grads(moe, x, fn):
     return out.detach(), l_aux.detach(), counts, leaf.grad, {n: p.grad.clone() for n, p in moe.named_parameters()}
 
 
+class _WithoutSmallGemm:
+    """The CPU kernel as a host without AVX2 + FMA (or with ZEROENGINE_MOE_SMALL_GEMM=0) sees it."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+    def small_gemm_available(self):
+        return False
+
+
+@pytest.mark.parametrize("small_gemm", [True, False])  # False: the router's GEMMs and grad assembly by ATen
 @pytest.mark.parametrize("expert,k,drop", [("scale", 1, False), ("scale", 2, True), ("mlp", 1, True),
                                            ("mlp", 2, False), ("stacked", 2, True)])
-def test_matches_pytorch_reference(expert, k, drop, monkeypatch):
+def test_matches_pytorch_reference(expert, k, drop, small_gemm, monkeypatch):
+    if not small_gemm:
+        real_kernel = fused_route.cpu_kernel
+        monkeypatch.setattr(fused_route, "cpu_kernel", lambda x, impl: None if real_kernel(x, impl) is None
+                            else _WithoutSmallGemm(real_kernel(x, impl)))
     torch.manual_seed(0)
     template = Scale() if expert == "scale" else _mlp()
     moe = MoE(H, template, num_experts=6, k=k, capacity_factor=0.8, min_capacity=1, drop_tokens=drop,

@@ -1,6 +1,8 @@
 """The concrete ops: which sources make each one, and how it is compiled."""
 from __future__ import annotations
 
+import os
+
 from zeroengine.ops.builder import CPUOpBuilder, CUDAOpBuilder
 from zeroengine.ops.cpu_features import SimdLevel
 
@@ -31,13 +33,17 @@ class MoEDispatchBuilder(CPUOpBuilder):
                "moe_router_cpu.cpp")
 
     def status(self) -> dict:
-        """Adds whether the small-row expert GEMMs are compiled in (they need AVX2 + FMA; without them
-        the grouped expert GEMMs use ATen's, see ops/csrc/moe/moe_small_gemm_cpu.cpp)."""
+        """Adds whether the small-row GEMMs (experts' and router's) are in use: they need AVX2 + FMA
+        (without them ATen's GEMMs run, see ops/csrc/moe/moe_small_gemm_cpu.cpp) and
+        ``ZEROENGINE_MOE_SMALL_GEMM=0`` turns them off."""
         status = super().status()
         if status["compatible"]:
-            level = self.simd_level()
-            status["detail"] = ("small-row expert GEMMs: on" if level is not SimdLevel.SCALAR
-                                else "small-row expert GEMMs: off, ATen's GEMMs instead (SIMD scalar)")
+            if self.simd_level() is SimdLevel.SCALAR:
+                status["detail"] = "small-row GEMMs: off, ATen's GEMMs instead (SIMD scalar)"
+            elif os.environ.get("ZEROENGINE_MOE_SMALL_GEMM", "1") == "0":
+                status["detail"] = "small-row GEMMs: off, ATen's GEMMs instead (ZEROENGINE_MOE_SMALL_GEMM=0)"
+            else:
+                status["detail"] = "small-row GEMMs: on"
         return status
 
 

@@ -10,9 +10,7 @@
 // thread over few rows uses the small-row kernels of moe_small_gemm_cpu.cpp (fp32, AVX2 + FMA),
 // which read the expert's weight once instead of packing it first.
 #include <algorithm>
-#include <cstdlib>
 #include <numeric>
-#include <string>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -73,15 +71,9 @@ void for_each_expert(const Spans& s, Fn fn) {
   }
 }
 
-// Whether an expert's GEMM over `rows` rows goes to the small-row kernels (ZEROENGINE_MOE_SMALL_GEMM=0 turns
-// them off, for comparisons and as an escape hatch).
+// Whether an expert's GEMM over `rows` rows goes to the small-row kernels.
 bool small_rows(int64_t rows, bool one_thread, const at::Tensor& a) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("ZEROENGINE_MOE_SMALL_GEMM");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return enabled && one_thread && rows <= small_gemm::kMaxRows && a.scalar_type() == at::kFloat &&
-         small_gemm::available();
+  return one_thread && rows <= small_gemm::kMaxRows && a.scalar_type() == at::kFloat && small_gemm::enabled();
 }
 
 }  // namespace

@@ -14,6 +14,10 @@ constexpr int64_t kMaxRows = 256;
 // Whether the kernels were compiled (AVX2 + FMA); without them the functions below do nothing.
 bool available();
 
+// available() and not turned off by ZEROENGINE_MOE_SMALL_GEMM=0 (for comparisons and as an escape hatch):
+// whether callers route their GEMMs here.
+bool enabled();
+
 // c[m][n] = sum_k a[m][k] w[n][k] (+ bias[n]):  a [m, k], w [n, k], c [m, n]; with out_transposed c is
 // [n, m] instead (c[n][m] = the same sum; no bias then: pass nullptr).
 void nt(const float* a, const float* w, const float* bias, float* c, int64_t m, int64_t n, int64_t k,

@@ -19,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -262,6 +264,14 @@ void nn(const float*, const float*, float*, int64_t, int64_t, int64_t, bool) {}
 void tn(const float*, const float*, float*, int64_t, int64_t, int64_t) {}
 
 #endif
+
+bool enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("ZEROENGINE_MOE_SMALL_GEMM");
+    return available() && (v == nullptr || std::string(v) != "0");
+  }();
+  return on;
+}
 
 }  // namespace small_gemm
 }  // namespace moe
