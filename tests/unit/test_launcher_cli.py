@@ -1,5 +1,6 @@
 """The zeroengine command line: argument errors (exit 2, one line) and --dry_run plans."""
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -85,11 +86,11 @@ def test_dry_run_local(capsys, script):
 def test_dry_run_include_sets_visible_devices(capsys, script, monkeypatch):
     monkeypatch.setattr(cli, "_device_count", lambda: 4)  # a node with 4 GPUs
     code, out, _ = run(capsys, "--dry_run", "--include", "localhost:1,3", "--no_python",
-                       script)
+                       f"./{script}")
     assert code == 0
     assert [line.split(": ", 1)[0] for line in out.splitlines()] == ["rank 0", "rank 1"]
     assert "CUDA_VISIBLE_DEVICES=1,3" in out and "LOCAL_WORLD_SIZE=2" in out
-    assert out.splitlines()[0].endswith(" train.py")
+    assert out.splitlines()[0].endswith(" ./train.py")
     code, out, _ = run(capsys, "--dry_run", "--exclude", "localhost:0", "--num_gpus", 2,
                        script)
     assert code == 0 and out.count("CUDA_VISIBLE_DEVICES=1,2 ") == 2
@@ -161,3 +162,43 @@ def test_a_hostfile_selecting_one_remote_host_warns_that_the_ranks_run_here(caps
     hostfile.write_text("localhost slots=2\n")
     code, _, err = run(capsys, "-H", hostfile, "--dry_run", script)
     assert code == 0 and "warning" not in err
+
+
+def test_no_python_runs_a_bare_name_from_path_as_a_shell_would(capsys, script):
+    # a bare name is looked up on PATH when the ranks start: a file of that name here is not what runs
+    check_usage_error(capsys, "--dry_run", "--no_python", script,
+                      message="program not found on PATH: train.py (to run the file train.py in this folder, "
+                              "write ./train.py)")
+    code, out, _ = run(capsys, "--dry_run", "--no_python", "true")
+    assert code == 0 and out.rstrip().endswith(" true")
+
+
+def test_master_address_of_an_ssh_alias_comes_from_the_host(capsys, script, tmp_path, monkeypatch):
+    # hostfiles may name hosts by ~/.ssh/config aliases, which do not resolve outside ssh
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("gpu-box-alias slots=1\nlocalhost slots=1\n")
+
+    def resolve(host, port):
+        if host == "gpu-box-alias":
+            raise OSError("Name or service not known")
+        return [()]
+
+    asked = []
+
+    def ssh(argv, **kwargs):
+        asked.append(argv)
+        return subprocess.CompletedProcess(argv, answer[0], stdout=answer[1], stderr="")
+
+    monkeypatch.setattr(cli.socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(cli.subprocess, "run", ssh)
+    answer = (0, "10.1.2.3 fd00::5 \n")
+    what, job = cli.plan(cli.build_parser().parse_args(["-H", str(hostfile), script]))
+    assert job.master_addr == "10.1.2.3" and asked[0][-2:] == ["gpu-box-alias", "hostname -I"]
+    assert all("--master_addr 10.1.2.3" in " ".join(c.argv) for c in what)
+    answer = (255, "")  # the host is not reachable either
+    check_usage_error(capsys, "-H", hostfile, script,
+                      message="the first host, gpu-box-alias, is where the ranks meet (MASTER_ADDR), but its "
+                              "name does not resolve here")
+    assert job.master_addr == cli.plan(cli.build_parser().parse_args(
+        ["-H", str(hostfile), "--master_addr", "10.1.2.3", script]))[1].master_addr  # given: not asked
+    assert len(asked) == 2

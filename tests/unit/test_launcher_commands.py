@@ -116,6 +116,28 @@ def test_env_file_values_are_read_as_a_shell_reads_them():
         parse_env_file("A='open\n", "f")
 
 
+def test_env_file_variable_references_expand_on_the_node_as_in_a_shell(monkeypatch):
+    # PATH=/usr/local/cuda/bin:$PATH is the commonest .deepspeed_env line; it reached the nodes literally
+    import subprocess
+
+    text = ("LD_LIBRARY_PATH=/opt/lib:$LD_LIBRARY_PATH\nDATA=\"${HOME}/data\"\nLIT='$HOME'\n"
+            "ODD=\"a\\\"b $NOPE` $(x)\"\n")
+    job = replace(JOB, exports=parse_env_file(text))
+    remote = ssh_commands(LAYOUT, job)[0].argv[-1]
+    node_env = {"HOME": "/n", "LD_LIBRARY_PATH": "/n/lib", "PATH": "/usr/bin:/bin"}
+    exports = remote.split(" && ")[1]
+    shown = subprocess.run(["sh", "-c", exports + " && printf '%s|' \"$LD_LIBRARY_PATH\" \"$DATA\" \"$LIT\" "
+                            "\"$ODD\""], capture_output=True, text=True, env=node_env, check=True).stdout
+    assert shown.split("|")[:4] == ["/opt/lib:/n/lib", "/n/data", "$HOME", 'a"b ` $(x)']
+    # srun passes its own environment: there the launching node expands them, the same way
+    monkeypatch.setenv("HOME", "/h")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/h/lib")
+    monkeypatch.delenv("NOPE", raising=False)
+    env = slurm_command_for_layout(LAYOUT, job).env
+    assert [env[k] for k in ("LD_LIBRARY_PATH", "DATA", "LIT", "ODD")] == ["/opt/lib:/h/lib", "/h/data", "$HOME",
+                                                                          'a"b ` $(x)']
+
+
 def test_node_plans_and_rank_env():
     plan = plan_from_layout({"a": [0, 1, 2], "b": [1, 3]}, node_rank=1,
                             master_addr="a", master_port=7)

@@ -38,6 +38,7 @@ def test_missing_hostfile(tmp_path):
     ("worker-3 slots=", "expected 'hostname slots=N'"),
     ("worker-3 slots=two", "expected 'hostname slots=N'"),
     ("worker-3 slots=2 extra", "expected 'hostname slots=N'"),
+    ("worker-3 slots=2 slots=3", "expected 'hostname slots=N'"),
     ("worker-3 gpus=2", "expected 'hostname slots=N'"),
     ("worker-3 slots=0", "must have slots >= 1"),
     ("bad/host slots=1", "invalid hostname"),
@@ -49,6 +50,18 @@ def test_malformed_line_names_file_and_line(tmp_path, line, message):
     with pytest.raises(HostfileError, match=message) as info:
         read_hostfile(str(path))
     assert f"{path}, line 6" in str(info.value)
+
+
+def test_openmpi_fields_after_slots_are_accepted_as_deepspeed_does():
+    # one hostfile for mpirun and the launcher: max_slots says nothing here
+    assert parse_hostfile_text("worker-0 slots=8 max_slots=8\nworker-1 slots=4\n") == {"worker-0": 8, "worker-1": 4}
+
+
+def test_a_hostfile_that_is_not_text_is_named(tmp_path):
+    path = tmp_path / "hf"
+    path.write_bytes(b"worker-0 slots=2\n\xff\xfe\n")
+    with pytest.raises(HostfileError, match=f"hostfile {path} is not UTF-8 text"):
+        read_hostfile(str(path))
 
 
 def test_empty_hostfile():

@@ -28,6 +28,7 @@ need as arguments and return argv lists, so the exact output is unit tested.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 import uuid
@@ -117,6 +118,16 @@ def parse_env_file(text: str, source: str = ENV_FILE_NAME) -> Dict[str, str]:
     return values
 
 
+class ExpandedValue(str):
+    """An env-file value whose ``$NAME`` / ``${NAME}`` references the shell expands (written unquoted or
+    in double quotes, as a shell reads a ``.deepspeed_env`` line: ``PATH=/opt/bin:$PATH``). Expanded on
+    each node by its own shell (ssh, pdsh; :func:`shell_word`) or, with slurm, on the launching node
+    (:func:`expand_here`). Other shell syntax (``$(...)``, backticks) stays literal."""
+
+
+_REFERENCE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
 def _env_value(value: str, where: str) -> str:
     if value[:1] in ("'", '"'):
         try:
@@ -125,9 +136,34 @@ def _env_value(value: str, where: str) -> str:
             raise ValueError(f"{where}: {e} in {value!r}") from None
         if len(words) != 1:
             raise ValueError(f"{where}: expected one quoted value, got {value!r}")
-        return words[0]
+        return words[0] if value[0] == "'" else ExpandedValue(words[0])
     before_comment, _, _ = value.partition(" #")
-    return before_comment.rstrip()
+    return ExpandedValue(before_comment.rstrip())
+
+
+def shell_word(value: str) -> str:
+    """``value`` as one POSIX shell word: literal, except an :class:`ExpandedValue`'s variable references."""
+    if not isinstance(value, ExpandedValue) or not _REFERENCE.search(value):
+        return shlex.quote(value)
+    out, last = ['"'], 0
+    for m in _REFERENCE.finditer(value):
+        out += [_in_double_quotes(value[last:m.start()]), "${" + (m.group(1) or m.group(2)) + "}"]
+        last = m.end()
+    out += [_in_double_quotes(value[last:]), '"']
+    return "".join(out)
+
+
+def _in_double_quotes(text: str) -> str:
+    for special in ("\\", '"', "$", "`"):
+        text = text.replace(special, "\\" + special)
+    return text
+
+
+def expand_here(value: str, environ: Mapping[str, str]) -> str:
+    """An :class:`ExpandedValue` with its references replaced from ``environ`` (unset: empty, as in a shell)."""
+    if not isinstance(value, ExpandedValue):
+        return value
+    return _REFERENCE.sub(lambda m: environ.get(m.group(1) or m.group(2), ""), value)
 
 
 def collect_exports(environ: Mapping[str, str],
@@ -183,8 +219,7 @@ def remote_shell_command(job: JobSpec, argv: Sequence[str]) -> str:
     """``cd CWD && export K=V ... && argv``, every word quoted for a POSIX shell."""
     parts = [f"cd {shlex.quote(job.cwd)}"]
     if job.exports:
-        parts.append("export " + " ".join(f"{k}={shlex.quote(v)}"
-                                          for k, v in job.exports.items()))
+        parts.append("export " + " ".join(f"{k}={shell_word(v)}" for k, v in job.exports.items()))
     parts.append(shlex.join(argv))
     return " && ".join(parts)
 
@@ -233,7 +268,7 @@ def slurm_command(job: JobSpec, num_nodes: int, procs_per_node: int,
             "--kill-on-bad-exit=1"]
     if hosts:
         argv += ["--nodelist", ",".join(hosts)]
-    env = dict(job.exports)
+    env = {k: expand_here(v, os.environ) for k, v in job.exports.items()}
     if job.master_addr:
         env["MASTER_ADDR"] = job.master_addr
     env["MASTER_PORT"] = str(job.master_port)

@@ -18,6 +18,9 @@ Layout = Dict[str, List[int]]
 # Anything a hostname, an alias from ~/.ssh/config or an IPv4 address can be.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _SLOTS_RE = re.compile(r"^slots=(\d+)$")
+# OpenMPI's hostfile fields after slots= (``max_slots=N``, ...), which DeepSpeed's parser also lets
+# through: one hostfile can serve mpirun and this launcher. They say nothing to it.
+_EXTRA_FIELD_RE = re.compile(r"^[A-Za-z_]+=\S+$")
 
 
 class HostfileError(ValueError):
@@ -29,7 +32,8 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> Dict[str, int]
 
     One ``hostname slots=N`` per line; ``#`` starts a comment (whole line or
     trailing); blank lines are skipped. ``N`` must be a positive integer and a
-    host may appear only once.
+    host may appear only once. Further ``key=value`` fields (OpenMPI's
+    ``max_slots=N``) are allowed and have no effect.
     """
     hosts: Dict[str, int] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -38,7 +42,8 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> Dict[str, int]
             continue
         fields = line.split()
         where = f"{source}, line {lineno}"
-        if len(fields) != 2 or not _SLOTS_RE.match(fields[1]):
+        if len(fields) < 2 or not _SLOTS_RE.match(fields[1]) or \
+                not all(_EXTRA_FIELD_RE.match(f) and not f.startswith("slots=") for f in fields[2:]):
             raise HostfileError(
                 f"{where}: expected 'hostname slots=N', got {raw.strip()!r}")
         host, slots = fields[0], int(_SLOTS_RE.match(fields[1]).group(1))
@@ -63,6 +68,8 @@ def read_hostfile(path: str) -> Dict[str, int]:
         raise HostfileError(f"hostfile {path} not found") from None
     except OSError as e:
         raise HostfileError(f"cannot read hostfile {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise HostfileError(f"hostfile {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     return parse_hostfile_text(text, source=path)
 
 

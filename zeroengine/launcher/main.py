@@ -6,7 +6,7 @@ Decides what to start from the flags, then hands over to ``local.run_node``
 * no hostfile (or ``--launcher local``): start this node's ranks here; with
   ``--num_nodes N --node_rank I`` each node is started by hand;
 * a hostfile selecting one host and no ``--launcher``: also local;
-* otherwise: ``--launcher`` (default pdsh if installed, else ssh) starts the
+* otherwise: ``--launcher`` (default ssh; pdsh or slurm on request) starts the
   same launcher on every node with ``--world_layout``.
 
 User errors print one line and exit 2; see ``docs/cli.md``.
@@ -17,11 +17,13 @@ import argparse
 import os
 import shlex
 import shutil
+import socket
+import subprocess
 import sys
 from dataclasses import replace
 from typing import List, Optional
 
-from .commands import (JobSpec, LaunchCommand, collect_exports, find_env_files,
+from .commands import (SSH_OPTIONS, JobSpec, LaunchCommand, collect_exports, find_env_files,
                        pdsh_command, slurm_command, slurm_command_for_layout, ssh_commands)
 from .hostfile import parse_layout, read_hostfile, world_layout
 from .local import NodePlan, plan_from_layout, plan_uniform, rank_commands
@@ -141,9 +143,14 @@ def _check_args(args) -> None:
         raise UsageError("--module and --no_python are mutually exclusive")
     if args.module:
         return  # resolved by the child's own import path
-    if args.no_python:
-        if not (os.path.isfile(args.script) or shutil.which(args.script)):
-            raise UsageError(f"program not found: {args.script}")
+    if args.no_python:  # run as a shell would: a bare name is looked up on PATH, a path is a file
+        if os.sep in args.script:
+            if not os.path.isfile(args.script):
+                raise UsageError(f"program not found: {args.script}")
+        elif not shutil.which(args.script):
+            here = f" (to run the file {args.script} in this folder, write ./{args.script})" \
+                if os.path.isfile(args.script) else ""
+            raise UsageError(f"program not found on PATH: {args.script}{here}")
     elif not os.path.isfile(args.script):
         raise UsageError(f"script not found: {args.script}")
 
@@ -204,6 +211,8 @@ def _plan_hostfile(args, procs: Optional[int]):
                                 job.master_port), job
     if args.node_rank is not None:
         raise UsageError(f"--node_rank is for --launcher local, not {launcher}")
+    if not args.master_addr and launcher in ("ssh", "pdsh") and not args.dry_run:
+        job = replace(job, master_addr=_reachable_address(job.master_addr))
     job = _with_exports(job)
     if launcher == "slurm":
         return [slurm_command_for_layout(layout, _slurm_job(args, job))], job
@@ -212,9 +221,29 @@ def _plan_hostfile(args, procs: Optional[int]):
     return ssh_commands(layout, job), job
 
 
-def _is_this_machine(host: str) -> bool:
-    import socket
+def _reachable_address(host: str) -> str:
+    """The first host as every rank's ``MASTER_ADDR``: its name where that resolves here, else the first
+    address the host reports for itself over ssh (a hostfile may name hosts by ssh aliases, which only
+    ssh's own config knows; DeepSpeed's runner asks the same way, ``hostname -I``)."""
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except OSError:
+        pass
+    try:
+        found = subprocess.run(["ssh", *SSH_OPTIONS, host, "hostname -I"], capture_output=True, text=True,
+                               timeout=30, stdin=subprocess.DEVNULL)
+        words = found.stdout.split() if found.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired):
+        words = []
+    if not words:
+        raise UsageError(f"the first host, {host}, is where the ranks meet (MASTER_ADDR), but its name does not "
+                         f"resolve here and 'ssh {host} hostname -I' gave no address: pass --master_addr with an "
+                         "address every node can reach")
+    return words[0]
 
+
+def _is_this_machine(host: str) -> bool:
     return host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn())
 
 
