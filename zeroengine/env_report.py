@@ -11,8 +11,9 @@ import sys
 GREEN, RED, YELLOW, END = "\033[92m", "\033[91m", "\033[93m", "\033[0m"
 
 
-def _ok(flag: bool, color: bool) -> str:
-    word = "[OKAY]" if flag else "[NO]"
+def _ok(flag: bool, color: bool, width: int = 0) -> str:
+    """``[OKAY]`` / ``[NO]``, padded to ``width`` before colouring (escape codes take no columns)."""
+    word = ("[OKAY]" if flag else "[NO]").ljust(width)
     if not color:
         return word
     return f"{GREEN if flag else RED}{word}{END}"
@@ -108,8 +109,7 @@ def render(report: dict, color: bool) -> str:
         where = op.get("cache_path") if op.get("built") else op.get("reason") or op.get("cache_path") or ""
         if op.get("detail"):
             where = f"{where} ({op['detail']})" if where else op["detail"]
-        lines.append(f"{op['name'].ljust(name_w)}  {_ok(op['compatible'], color):<12}"
-                     f"{_ok(op['built'], color):<8}{where}")
+        lines.append(f"{op['name'].ljust(name_w)}  {_ok(op['compatible'], color, 12)}{_ok(op['built'], color, 8)}{where}")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine
 from zeroengine.monitor import build_recorder
 from zeroengine.optim.factory import build_optimizer
+from zeroengine.optim._schedule import ScheduleParamError
 from zeroengine.optim.schedulers import build_scheduler
 from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
@@ -174,7 +175,10 @@ def _resolve_scheduler(cfg, torch_optimizer, lr_scheduler):
         raise ConfigError("scheduler", "an lr_scheduler was passed to initialize() and the config has a "
                           "'scheduler' section too; keep one of them")
     if cfg.scheduler is not None:
-        return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), torch_optimizer)
+        try:
+            return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), torch_optimizer)
+        except ScheduleParamError as error:  # checks that need the optimizer (one value per param group)
+            raise ConfigError(f"scheduler.params.{error.param}", str(error)) from None
     if lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         return lr_scheduler(torch_optimizer)
     return lr_scheduler

@@ -180,6 +180,31 @@ def test_malformed_file_names_file_line_and_column():
     assert "line 4" in message and "column" in message
 
 
+@pytest.mark.parametrize("typo", ["tru", "True"])
+def test_a_typo_in_a_json_file_is_placed_where_it_is_not_at_the_end(tmp_path, typo):
+    # hjson reads `tru` as an unquoted string running on and fails at the end of the file
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  // a comment line\n  "fp16": {"enabled": %s},\n'
+                    '  "steps_per_print": 1,\n  "gradient_clipping": 1.0\n}\n' % typo)
+    with pytest.raises(ConfigError, match=f"{path.name}, line 4, column 23: malformed JSON: Expecting value"):
+        load_config(path)
+
+
+def test_an_hjson_file_keeps_hjson_s_account_first(tmp_path):
+    path = tmp_path / "ds_config.hjson"
+    path.write_text("{\n  train_batch_size: 8\n  fp16: {enabled: true\n}\n")  # one brace short
+    with pytest.raises(ConfigError, match=r"line 5, column 1: malformed HJSON: .*\(read as strict JSON: line 2"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# only a comment\n// and another\n/* and\n a block */\n"])
+def test_an_empty_config_file_says_so(tmp_path, text):
+    path = tmp_path / "ds_config.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="ds_config.json is empty"):
+        load_config(path)
+
+
 def test_errors_from_a_file_name_the_file(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 5}}')

@@ -48,3 +48,14 @@ def test_report_says_whether_the_moe_small_row_gemms_are_in_use(simd, switch, sh
     assert env_report.main(["--no-color"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("moe_dispatch "))
     assert shown in line
+
+
+def test_coloured_op_table_lines_up_like_the_plain_one():
+    # the colour codes used to count as column width, so a terminal saw "[OKAY][OKAY]/path"
+    import re
+
+    report = env_report.collect()
+    plain = env_report.render(report, color=False)
+    coloured = env_report.render(report, color=True)
+    assert "\x1b[" in coloured
+    assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == plain

@@ -387,3 +387,22 @@ def test_matches_deepspeed():
             for a, b in zip(ours_opt.param_groups, theirs_opt.param_groups):
                 assert a["lr"] == pytest.approx(b["lr"], rel=1e-12, abs=1e-15), name
                 assert tuple(a["betas"]) == pytest.approx(tuple(b["betas"])), name
+
+
+@pytest.mark.parametrize("kind, params, key", [
+    ("WarmupLR", {"warmup_max_lr": [0.1, 0.2], "warmup_num_steps": 5}, "warmup_max_lr"),
+    ("OneCycle", {"cycle_min_lr": [0.01, 0.02], "cycle_max_lr": 0.1}, "cycle_min_lr"),
+])
+def test_a_per_group_list_of_the_wrong_length_is_a_config_error_naming_the_key(kind, params, key):
+    # one value per param group can only be checked once the optimizer exists, in initialize()
+    import torch.nn as nn
+
+    import zeroengine
+    from zeroengine.config import ConfigError
+
+    config = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+              "scheduler": {"type": kind, "params": params}}
+    with pytest.raises(ConfigError) as info:
+        zeroengine.initialize(model=nn.Linear(2, 2), config=config)
+    assert info.value.key_path == f"scheduler.params.{key}"
+    assert "expected 1 values (one per param group), got 2" in str(info.value)

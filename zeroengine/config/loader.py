@@ -16,7 +16,9 @@ Every failure is a ConfigError naming the key path and, for files, the file.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -131,17 +133,52 @@ def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
         raise ConfigError("", f"config file not found: {path}{hint}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError("", f"cannot read config file {path}: {error}") from None
+    if not hjson_has_content(text):
+        raise ConfigError("", f"config file {path} is empty (nothing but whitespace and comments): it must hold "
+                              "a JSON object ({...})")
     try:
         data = hjson.loads(text, object_pairs_hook=_reject_duplicates)
     except hjson.HjsonDecodeError as error:
-        raise ConfigError("", f"{path}, line {error.lineno}, column {error.colno}: malformed JSON/HJSON: "
-                              f"{error.msg}") from None
+        raise _malformed(path, text, error) from None
     except _DuplicateKey as error:
         raise ConfigError("", f"{path}: key '{error.args[0]}' appears twice in the same object; "
                               "remove one of them") from None
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: the config must be a JSON object ({{...}}), got {type(data).__name__}")
     return data
+
+
+def hjson_has_content(text: str) -> bool:
+    """Whether ``text`` holds anything besides whitespace and ``#``, ``//`` or ``/* */`` comments."""
+    without = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
+    return any(line.strip() and not line.strip().startswith(("#", "//")) for line in without.splitlines())
+
+
+def _malformed(path: Path, text: str, error: "hjson.HjsonDecodeError") -> ConfigError:
+    """Where a file fails to parse. A typo in plain JSON (``tru``, ``True``) reads to hjson as an unquoted
+    string running on, so it fails only at the end of the file. There JSON's own parser (comment lines
+    blanked, so line numbers stay) is asked too, and both answers are given: JSON's first for a ``.json``
+    file (it names the typo's place), hjson's first otherwise (JSON would stop at the first hjson-only
+    syntax)."""
+    hjson_at, hjson_says = f"line {error.lineno}, column {error.colno}", error.msg
+    if error.pos < len(text.rstrip()):
+        return ConfigError("", f"{path}, {hjson_at}: malformed JSON/HJSON: {hjson_says}")
+    try:
+        json.loads(_comment_lines_blanked(text))
+    except json.JSONDecodeError as strict:
+        json_at, json_says = f"line {strict.lineno}, column {strict.colno}", strict.msg
+    else:
+        return ConfigError("", f"{path}, {hjson_at}: malformed HJSON: {hjson_says}")
+    if path.suffix.lower() == ".json":
+        return ConfigError("", f"{path}, {json_at}: malformed JSON: {json_says} (read as HJSON: {hjson_at}: "
+                               f"{hjson_says})")
+    return ConfigError("", f"{path}, {hjson_at}: malformed HJSON: {hjson_says} (read as strict JSON: {json_at}: "
+                           f"{json_says})")
+
+
+def _comment_lines_blanked(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), text, flags=re.DOTALL)
+    return "\n".join("" if line.strip().startswith(("#", "//")) else line for line in text.split("\n"))
 
 
 def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:

@@ -35,6 +35,14 @@ logger = logging.getLogger(__name__)
 WARMUP_TYPES = ("log", "linear")
 
 
+class ScheduleParamError(ValueError):
+    """A bad schedule parameter; ``param`` names it (initialize reports ``scheduler.params.<param>``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def param_groups_owner(optimizer):
     """The object whose ``param_groups`` the schedule writes.
 
@@ -54,27 +62,28 @@ def per_group(groups: Sequence[dict], value, name: str) -> List[float]:
     """Broadcast a scalar to every param group, or check a per-group list."""
     if isinstance(value, (list, tuple)):
         if len(value) != len(groups):
-            raise ValueError(f"{name}: expected {len(groups)} values (one per param group), got {len(value)}")
+            raise ScheduleParamError(name, f"{name}: expected {len(groups)} values (one per param group), "
+                                     f"got {len(value)}")
         return [float(v) for v in value]
     return [float(value)] * len(groups)
 
 
 def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ScheduleParamError(name, f"{name} must be a positive integer, got {value!r}")
     return value
 
 
 def non_negative_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        raise ScheduleParamError(name, f"{name} must be a non-negative integer, got {value!r}")
     return value
 
 
 def unit_interval(name: str, value) -> float:
     value = float(value)
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        raise ScheduleParamError(name, f"{name} must be in [0, 1], got {value!r}")
     return value
 
 

@@ -5,7 +5,7 @@ import logging
 import math
 from typing import List, Optional
 
-from ._schedule import Schedule, per_group, positive_int
+from ._schedule import Schedule, non_negative_int, per_group, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ class OneCycle(Schedule):
         super().__init__(optimizer, last_batch_iteration)
         first = positive_int("cycle_first_step_size", cycle_first_step_size)
         second = first if cycle_second_step_size is None else cycle_second_step_size
-        if isinstance(second, bool) or not isinstance(second, int) or second < 0:
-            raise ValueError(f"cycle_second_step_size must be an integer >= 0, got {second!r}")
+        non_negative_int("cycle_second_step_size", second)
         self.first_step_size = float(first)
         self.second_step_size = float(second)
         self.total_size = self.first_step_size + self.second_step_size
@@ -61,8 +60,7 @@ class OneCycle(Schedule):
         self.first_stair_count = self._stairs("cycle_first_stair_count", cycle_first_stair_count)
         self.second_stair_count = self.first_stair_count if cycle_second_stair_count is None else \
             self._stairs("cycle_second_stair_count", cycle_second_stair_count)
-        if isinstance(decay_step_size, bool) or not isinstance(decay_step_size, int) or decay_step_size < 0:
-            raise ValueError(f"decay_step_size must be an integer >= 0, got {decay_step_size!r}")
+        non_negative_int("decay_step_size", decay_step_size)
         self.decay_step_size = decay_step_size
         self.decay_lr_rate = float(decay_lr_rate)
         self.decay_mom_rate = float(decay_mom_rate)
@@ -76,9 +74,7 @@ class OneCycle(Schedule):
 
     @staticmethod
     def _stairs(name: str, value) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        return value
+        return non_negative_int(name, value)
 
     def _supports_momentum(self) -> bool:
         if all("betas" in g for g in self._groups):

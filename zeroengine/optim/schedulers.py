@@ -12,7 +12,8 @@ import inspect
 import math
 from typing import Any, Dict, List, Optional
 
-from ._schedule import Schedule, Warmup, group_lr, non_negative_int, per_group, positive_int, unit_interval
+from ._schedule import (ScheduleParamError, Schedule, Warmup, group_lr, non_negative_int, per_group, positive_int,
+                        unit_interval)
 from .one_cycle import OneCycle
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "SCHEDULERS", "build_scheduler"]
@@ -64,8 +65,8 @@ class WarmupDecayLR(WarmupLR):
         positive_int("total_num_steps", total_num_steps)
         non_negative_int("warmup_num_steps", warmup_num_steps)
         if total_num_steps < warmup_num_steps:
-            raise ValueError(f"total_num_steps ({total_num_steps}) must be >= warmup_num_steps "
-                             f"({warmup_num_steps})")
+            raise ScheduleParamError("total_num_steps", f"total_num_steps ({total_num_steps}) must be >= "
+                                     f"warmup_num_steps ({warmup_num_steps})")
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
                          last_batch_iteration)
@@ -98,8 +99,8 @@ class WarmupCosineLR(Schedule):
         positive_int("total_num_steps", total_num_steps)
         self._warmup = Warmup(warmup_num_steps, warmup_type)
         if total_num_steps < warmup_num_steps:
-            raise ValueError(f"total_num_steps ({total_num_steps}) must be >= warmup_num_steps "
-                             f"({warmup_num_steps})")
+            raise ScheduleParamError("total_num_steps", f"total_num_steps ({total_num_steps}) must be >= "
+                                     f"warmup_num_steps ({warmup_num_steps})")
         self.total_num_steps = total_num_steps
         self.warmup_num_steps = self._warmup.num_steps
         self.warmup_type = warmup_type
