@@ -53,7 +53,8 @@ def test_only_one_backend(tmp_path):
     recorder = build_recorder(cfg.monitor, rank=0)
     try:
         assert _kinds(recorder) == ["TensorBoardMonitor"]
-        assert os.listdir(tmp_path / "zeroengine") == [os.path.basename(recorder.master.monitors[0].path)]
+        # the default run name; not "zeroengine", which would shadow the package in the working directory
+        assert os.listdir(tmp_path / "zeroengine_run") == [os.path.basename(recorder.master.monitors[0].path)]
     finally:
         recorder.close()
 
@@ -72,7 +73,7 @@ def test_empty_output_path_is_the_current_directory(tmp_path, monkeypatch):
     backend = _cfg(monitor={"csv": {"enabled": True, "job_name": "j"}}).monitor.csv
     assert output_directory(backend) == str(tmp_path / "j")
     monkeypatch.chdir("/")
-    assert output_directory(_cfg(monitor={"csv": {"output_path": "rel"}}).monitor.csv) == "/rel/zeroengine"
+    assert output_directory(_cfg(monitor={"csv": {"output_path": "rel"}}).monitor.csv) == "/rel/zeroengine_run"
 
 
 @pytest.mark.parametrize("writer", [CsvMonitor, TensorBoardMonitor])

@@ -17,8 +17,10 @@ class MonitorBackendConfig(ConfigModel):
 
     enabled: bool = Field(False, description="Write metrics with this backend.")
     output_path: str = Field("", description="Directory for the output ('': the current directory).")
-    job_name: str = Field("zeroengine", description="Sub-directory of output_path the files go in "
-                                                    "(the run's name).")
+    # Not "zeroengine": a folder of that name in the working directory would shadow the package for the
+    # next script run from there (an editable install finds it first).
+    job_name: str = Field("zeroengine_run", description="Sub-directory of output_path the files go in "
+                                                        "(the run's name).")
 
 
 class MonitorConfig(ConfigModel):
