@@ -218,12 +218,17 @@ class Engine:
         return tally.as_dict()
 
     # -- checkpoints (zeroengine.checkpoint) ----------------------------------
-    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
-        """Save everything needed to resume (collective: every rank calls it). Returns the tag directory."""
+    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Save everything needed to resume (collective: every rank calls it). Returns the tag directory.
+
+        ``exclude_frozen_parameters`` leaves out parameters that do not require grad (a frozen base model
+        under adapters); load such a checkpoint with ``load_module_strict=False``."""
         from zeroengine.checkpoint import save_checkpoint
 
         try:
-            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                   exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
             self._restart_monitor_window()
 
@@ -235,19 +240,16 @@ class Engine:
         Everything after ``tag`` is keyword-only: DeepSpeed's positional order puts ``load_module_strict``
         third, so a positional call written for it would silently mean other flags here.
 
-        ``load_module_strict`` is accepted for DeepSpeed callers (HuggingFace's Trainer passes it);
-        loading is always strict (every parameter must be in the checkpoint), so only True is."""
+        ``load_module_strict`` as in DeepSpeed (``load_state_dict``'s ``strict``): with False, parameters
+        and buffers the checkpoint lacks keep this model's values (a trainable one starts with a fresh
+        optimizer state) and stored ones this model lacks are skipped; for checkpoints saved with
+        ``exclude_frozen_parameters=True``."""
         from zeroengine.checkpoint import load_checkpoint
-
-        if not load_module_strict:
-            raise ValueError("load_checkpoint(load_module_strict=False) is not supported: zeroengine loads every "
-                             "parameter by name; load a partial state_dict with engine.module.load_state_dict("
-                             "..., strict=False) instead")
 
         try:
             return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                    load_lr_scheduler_states=load_lr_scheduler_states,
-                                   load_module_only=load_module_only)
+                                   load_module_only=load_module_only, strict=load_module_strict)
         finally:
             self._restart_monitor_window()
 

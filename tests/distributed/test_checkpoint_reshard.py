@@ -234,3 +234,78 @@ def test_frozen_parameters_round_trip_from_stage3(tmp_path):
         for loaded in run_distributed(load_frozen, world, stage, save_dir):
             for name, value in saved.items():
                 assert torch.equal(loaded[name], value), (world, stage, name)
+
+
+# -- DeepSpeed's exclude_frozen_parameters / load_module_strict=False (adapters over a frozen base) ----------
+
+def save_without_frozen(rank, world, stage, save_dir):
+    engine, _, _, _ = zeroengine.initialize(model=frozen_model(), config=config(world, stage))
+    train(engine, rank, world, 0, 2)
+    engine.save_checkpoint(save_dir, exclude_frozen_parameters=True)
+    return full_state(engine)
+
+
+def load_without_frozen(rank, world, stage, save_dir):
+    model = frozen_model()
+    with torch.no_grad():
+        model.wpe.weight.fill_(0.25)  # this model's own frozen values: kept by a non-strict load
+    engine, _, _, _ = zeroengine.initialize(model=model, config=config(world, stage))
+    try:
+        engine.load_checkpoint(save_dir)
+        refused = ""
+    except CheckpointError as err:
+        refused = str(err)
+    engine.load_checkpoint(save_dir, load_module_strict=False)
+    loaded = full_state(engine)
+    losses = train(engine, rank, world, 2, 1)  # and training goes on from there
+    return refused, loaded, losses
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_parameters_excluded_from_a_checkpoint_keep_the_loading_model_s_values(tmp_path, stage):
+    save_dir = str(tmp_path / "run")
+    saved = run_distributed(save_without_frozen, 2, stage, save_dir)[0]
+    for refused, loaded, losses in run_distributed(load_without_frozen, 2, stage, save_dir):
+        assert "saved with exclude_frozen_parameters=True; pass load_module_strict=False" in refused, refused
+        for name, value in saved.items():
+            if name == "wpe.weight":
+                assert torch.equal(loaded[name], torch.full_like(value, 0.25))
+            else:
+                assert torch.equal(loaded[name], value), name
+        assert len(losses) == 1 and losses[0] == losses[0]
+    # the converter leaves them out on request, and gives every other value as saved
+    without = get_fp32_state_dict_from_zero_checkpoint(save_dir, exclude_frozen_parameters=True)
+    assert "wpe.weight" not in without and set(without) == set(saved) - {"wpe.weight"}
+    assert all(torch.equal(without[n], saved[n]) for n in without)
+    from zeroengine.checkpoint.consolidate import main as ze_to_fp32
+
+    assert ze_to_fp32([save_dir, str(tmp_path / "out.pt"), "--exclude_frozen_parameters"]) == 0
+    assert set(torch.load(tmp_path / "out.pt", weights_only=True)) == set(without)
+
+
+def load_with_an_adapter(rank, world, stage, save_dir):
+    """A model with one more trainable parameter than the checkpoint (an adapter added after saving)."""
+    model = frozen_model()
+    model.adapter = torch.nn.Linear(TINY.n_embd, 2)
+    with torch.no_grad():
+        model.adapter.weight.fill_(0.5)
+    engine, _, _, _ = zeroengine.initialize(model=model, config=config(world, stage))
+    try:
+        engine.load_checkpoint(save_dir)
+        refused = ""
+    except CheckpointError as err:
+        refused = str(err)
+    engine.load_checkpoint(save_dir, load_module_strict=False)
+    with GatheredParameters([model.adapter.weight]):
+        adapter = model.adapter.weight.detach().clone()
+    return refused, adapter, full_state(engine)
+
+
+def test_a_non_strict_load_keeps_parameters_the_checkpoint_lacks(tmp_path):
+    save_dir = str(tmp_path / "run")
+    saved = run_distributed(save_frozen, 2, 2, save_dir)[0]
+    for refused, adapter, loaded in run_distributed(load_with_an_adapter, 2, 2, save_dir):
+        assert "has no values for ['adapter.bias', 'adapter.weight']" in refused, refused
+        assert "load_module_strict=False keeps this model's values" in refused
+        assert torch.equal(adapter, torch.full_like(adapter, 0.5))
+        assert all(torch.equal(loaded[n], saved[n]) for n in saved)

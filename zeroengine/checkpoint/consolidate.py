@@ -26,13 +26,16 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     """The full model state_dict: parameters from their fp32 master values (cast to ``dtype``), buffers as saved.
 
     ``checkpoint_dir`` is the ``save_dir`` given to ``save_checkpoint`` (the tag comes from ``latest`` unless
-    given) or a tag directory itself. DeepSpeed's ``exclude_frozen_parameters`` is only False (every parameter
-    and buffer is returned) and ``lazy_mode`` has no effect (values are loaded at once).
+    given) or a tag directory itself. ``exclude_frozen_parameters`` leaves out the parameters that did not
+    require grad when saved (the manifest names them; checkpoints from before it did are refused), and
+    ``lazy_mode`` has no effect (values are loaded at once).
     """
-    if exclude_frozen_parameters:
-        raise CheckpointError("exclude_frozen_parameters=True is not supported: the consolidated state_dict "
-                              "holds every parameter and buffer (drop keys from it yourself)")
     manifest = mf.Manifest.read(_tag_dir(checkpoint_dir, tag))
+    frozen = set(manifest.data.get("frozen_params", []))
+    if exclude_frozen_parameters and "frozen_params" not in manifest.data:
+        raise CheckpointError(f"{manifest.tag_dir} does not record which parameters were frozen (saved by an "
+                              "older zeroengine): exclude_frozen_parameters=True cannot tell them from buffers; "
+                              "drop their keys from the full state_dict instead")
     files: dict[str, dict] = {}
 
     def opened(file: str) -> dict:
@@ -51,9 +54,11 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         progress.advance(numel)
     extras = opened(mf.COMMON)["module_extras"]
     for name, value in extras.items():
-        out[name] = value.to(dtype) if value.is_floating_point() else value.clone()
+        if not (exclude_frozen_parameters and name in frozen):
+            out[name] = value.to(dtype) if value.is_floating_point() else value.clone()
     for alias, name in manifest.data.get("aliases", {}).items():
-        out[alias] = out[name]
+        if name in out:
+            out[alias] = out[name]
     return out
 
 
@@ -92,8 +97,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_file:
     return the path written (``output_file/pytorch_model.bin`` for a directory, as DeepSpeed's).
 
     Keyword-only after the output (DeepSpeed's positional order differs: its third is ``max_shard_size``):
-    ``exclude_frozen_parameters`` only False (frozen parameters are written), ``safe_serialization`` only
-    False (torch.save format), ``max_shard_size`` accepted with no effect (one file, whatever its size).
+    ``exclude_frozen_parameters`` as there, ``safe_serialization`` only False (torch.save format),
+    ``max_shard_size`` accepted with no effect (one file, whatever its size).
     """
     if safe_serialization:
         raise CheckpointError("safe_serialization=True is not supported: the output is one torch.save file "
@@ -143,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-t", "--tag", default=None, help="the tag to convert (default: the one 'latest' names)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="dtype of the floating-point tensors written (default fp32)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out parameters that did not require grad (DeepSpeed's flag)")
     args = parser.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     try:
         written = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag,
+                                                             exclude_frozen_parameters=args.exclude_frozen_parameters,
                                                              dtype=dtype)
     except CheckpointError as err:
         print(f"ze_to_fp32: {err}", file=sys.stderr)

@@ -28,13 +28,18 @@ from .state import parameter_places, restore_rng, stored_shape
 
 
 def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Returns ``(tag_dir, client_state)``, or ``(None, None)`` when ``load_dir`` holds no checkpoint."""
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, strict: bool = True):
+    """Returns ``(tag_dir, client_state)``, or ``(None, None)`` when ``load_dir`` holds no checkpoint.
+
+    ``strict`` (DeepSpeed's ``load_module_strict``), as in ``load_state_dict``: every value of the model
+    comes from the checkpoint and every stored value goes into the model. Without it, what the checkpoint
+    lacks keeps the model's own value (a trainable one starts with a fresh optimizer state) and what the
+    model lacks is skipped."""
     rank = comm.get_rank()
     plan, problem = None, None
     optimizer_states = load_optimizer_states and not load_module_only
     try:
-        plan = _Plan(engine, load_dir, tag, optimizer_states)
+        plan = _Plan(engine, load_dir, tag, optimizer_states, strict)
     except CheckpointError as err:
         problem = str(err)
     if plan is not None and plan.tag_dir is None and problem is None:
@@ -51,7 +56,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     unclaimed = [r["unclaimed"] for r in everyone]
     lists = [set(u) for u in unclaimed if u is not None]
     nobody = sorted(set.intersection(*lists)) if lists and len(lists) == len(unclaimed) else []
-    if nobody and problem is None:
+    if nobody and problem is None and strict:
         problem = (f"checkpoint {plan.tag_dir} has parameter(s) {nobody[:8]}{' ...' if len(nobody) > 8 else ''} "
                    "that this model does not have")
     identities = [r["checkpoint"] for r in everyone if r["checkpoint"] != "unreadable"]
@@ -68,7 +73,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
 
     common = plan.common
     plan.apply_pieces(optimizer_states)
-    _load_module_extras(engine, plan.module_values)
+    _load_module_extras(engine, plan.module_values, strict)
     if not load_module_only:
         _load_training_state(engine, common, optimizer_states, load_lr_scheduler_states, plan.group_order)
         plan.restore_rng()
@@ -103,8 +108,8 @@ _STATE_FAMILY = {name: "Adam" for name in ("Adam", "AdamW", "CPUAdam", "FusedAda
 class _Plan:
     """Everything this rank will read, checked before anything is written."""
 
-    def __init__(self, engine, load_dir: str, tag, optimizer_states: bool):
-        self.engine = engine
+    def __init__(self, engine, load_dir: str, tag, optimizer_states: bool, strict: bool = True):
+        self.engine, self.strict = engine, strict
         self.tag_dir = mf.resolve_tag_dir(load_dir, tag)
         if self.tag_dir is None:
             return
@@ -125,7 +130,7 @@ class _Plan:
         if os.path.exists(self.manifest.path(mf.shard_file(comm.get_rank()))):
             needed.add(mf.shard_file(comm.get_rank()))
         for piece in self.pieces:
-            if id(piece.param) not in self.from_extras:
+            if id(piece.param) not in self.from_extras and id(piece.param) not in self.kept:
                 needed.update(entry.file for entry in self._entries(piece))
         for place, numel in self.from_shards.values():
             needed.update(e.file for e in self.manifest.entries_overlapping(place.name, place.offset,
@@ -153,7 +158,8 @@ class _Plan:
           the module extras (``from_extras``: its fp32 values are cut from there, with no optimizer state);
         * a frozen parameter or a buffer: the module extras, or, if it was trained when saved, its
           sharded values (``from_shards``);
-        * anything else is missing; stored parameters no model rank claims are refused by the caller.
+        * anything else is missing: an error, unless not strict (``kept``: the model keeps its value);
+          stored parameters no model rank claims are refused by the caller, unless not strict.
         """
         saved, extras = self.manifest.params, self.common["module_extras"]
         self.module_state = self.engine.module.state_dict(keep_vars=True)
@@ -163,6 +169,7 @@ class _Plan:
         managed = {id(p): p for p in self.engine.optimizer.checkpoint_params()}
         self.from_extras: dict[int, torch.Tensor] = {}
         self.from_shards: dict[str, tuple] = {}
+        self.kept: set[int] = set()  # trainable parameters the checkpoint lacks (not strict): left as they are
         missing, claimed = [], set()
         for pid, p in managed.items():
             place = self.places[pid]
@@ -173,6 +180,7 @@ class _Plan:
             extra = next((extras[n] for n in names_of.get(pid, []) if n in extras), None)
             if extra is None:
                 missing.append(place.name)
+                self.kept.add(pid)
             else:
                 self._check_shape(place.name, list(full_shape(p)), list(extra.shape))
                 self.from_extras[pid] = extra
@@ -187,9 +195,14 @@ class _Plan:
                 self.from_shards[name] = (place, full_shape(t).numel())
             else:
                 missing.append(name)
-        if missing:
+        if missing and self.strict:
+            excluded = set(self.manifest.data.get("frozen_params", [])) \
+                if self.manifest.data.get("frozen_params_excluded") else set()
+            hint = (": it was saved with exclude_frozen_parameters=True; pass load_module_strict=False to keep "
+                    "this model's values for its frozen parameters") if set(missing) <= excluded else \
+                " (load_module_strict=False keeps this model's values for what the checkpoint lacks)"
             raise CheckpointError(f"checkpoint {self.tag_dir} has no values for {sorted(missing)[:8]}"
-                                  f"{' ...' if len(missing) > 8 else ''} of this model")
+                                  f"{' ...' if len(missing) > 8 else ''} of this model{hint}")
         self.unclaimed = set(saved) - claimed
 
     def _match_groups(self) -> list[int | None]:
@@ -252,6 +265,8 @@ class _Plan:
         if with_optimizer_state:
             state.clear()
         for piece in self.pieces:
+            if id(piece.param) in self.kept:  # not in the checkpoint (a non-strict load): as it is
+                continue
             extra = self.from_extras.get(id(piece.param))
             if extra is not None:  # frozen when saved: values only, the optimizer state starts fresh
                 piece.value.copy_(extra.reshape(-1)[piece.start:piece.end].view(piece.value.shape))
@@ -295,12 +310,13 @@ class _Plan:
 
 
 @torch.no_grad()
-def _load_module_extras(engine, extras: dict) -> None:
+def _load_module_extras(engine, extras: dict, strict: bool = True) -> None:
     """Frozen parameters and buffers (and parameters frozen when saved: the module copy of their values)."""
     targets = engine.module.state_dict(keep_vars=True)
     unknown = sorted(set(extras) - set(targets))
-    if unknown:
+    if unknown and strict:
         raise CheckpointError(f"the checkpoint has module entries {unknown[:8]} this model does not have")
+    extras = {name: value for name, value in extras.items() if name in targets}
     params = [targets[name] for name in extras if isinstance(targets[name], torch.nn.Parameter)]
     with GatheredParameters(params, modifier_rank=0):
         for name, value in extras.items():

@@ -35,8 +35,13 @@ from .state import (capture_rng, check_plain, numbers_as_python, parameter_alias
                     parameter_places, stored_shape)
 
 
-def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True) -> str:
-    """Write a checkpoint of ``engine`` under ``save_dir/tag``; every rank must call it. Returns the tag dir."""
+def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> str:
+    """Write a checkpoint of ``engine`` under ``save_dir/tag``; every rank must call it. Returns the tag dir.
+
+    ``exclude_frozen_parameters`` (DeepSpeed's; adapters over a frozen base model) leaves out parameters that
+    do not require grad; loading such a checkpoint takes ``load_module_strict=False``, which keeps the loading
+    model's own values for them. The manifest names them either way (``frozen_params``)."""
     rank = comm.get_rank()
     tag = mf.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     problem, training_state = None, None
@@ -51,7 +56,8 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     staging = mf.staging_dir(save_dir, tag) + "-" + arrival[0]["nonce"]
 
     report = {"files": {}, "params": {}, "error": None}
-    module_extras = _module_extras(engine)  # collective under stage 3: before any rank can fail alone
+    # collective under stage 3: before any rank can fail alone
+    module_extras, frozen = _module_extras(engine, exclude_frozen_parameters)
     try:
         os.makedirs(staging, exist_ok=True)
         report["files"].update(_write_shard(engine, staging, rank))
@@ -73,7 +79,8 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
             if failed:
                 shutil.rmtree(staging, ignore_errors=True)
             else:
-                _commit(engine, save_dir, tag, staging, reports, save_latest)
+                _commit(engine, save_dir, tag, staging, reports, save_latest,
+                        {"frozen_params": frozen, "frozen_params_excluded": bool(exclude_frozen_parameters)})
         except Exception as err:  # noqa: BLE001
             outcome["error"] = f"{type(err).__name__}: {err}"
     outcome = _exchange("save_checkpoint/commit", outcome if rank == 0 else {"error": None}, first=False)[0]
@@ -130,16 +137,20 @@ def _write_shard(engine, staging: str, rank: int) -> dict:
     return {name: {**info, "rank": rank, "entries": index}}
 
 
-def _module_extras(engine) -> dict[str, torch.Tensor]:
-    """Buffers and parameters the optimizer does not hold (frozen ones), full, by state_dict name (rank 0)."""
+def _module_extras(engine, exclude_frozen: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Buffers and parameters the optimizer does not hold (frozen ones), full, by state_dict name (rank 0),
+    without the frozen parameters if ``exclude_frozen``; and the frozen parameters' names."""
     managed = {id(p) for p in engine.optimizer.checkpoint_params()}
     named = engine.module.state_dict(keep_vars=True)
     extras = {name: t for name, t in named.items() if id(t) not in managed}
+    frozen = sorted(name for name, t in extras.items() if isinstance(t, torch.nn.Parameter))
+    if exclude_frozen:
+        extras = {name: t for name, t in extras.items() if name not in frozen}
     params = [t for t in extras.values() if isinstance(t, torch.nn.Parameter)]
     with GatheredParameters(params):
         if comm.get_rank() != 0:
-            return {}
-        return {name: t.detach().clone() for name, t in extras.items()}
+            return {}, frozen
+        return {name: t.detach().clone() for name, t in extras.items()}, frozen
 
 
 def _training_state(engine) -> dict:
@@ -186,7 +197,8 @@ def _param_table(engine) -> dict:
     return table
 
 
-def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool) -> None:
+def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool,
+            frozen: dict) -> None:
     files, params = {}, {}
     for rank, report in enumerate(reports):
         files.update(report["files"])
@@ -207,7 +219,7 @@ def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], 
         "world_size": comm.get_world_size(), "zero_stage": engine.zero_stage,
         "dtype": str(engine.policy.param_dtype).replace("torch.", ""),
         "optimizer": type(engine.optimizer.optimizer).__name__,
-        "params": params, "aliases": parameter_aliases(engine.module, names), "files": files,
+        "params": params, "aliases": parameter_aliases(engine.module, names), "files": files, **frozen,
     }
     save_json(data, os.path.join(staging, mf.MANIFEST))
     fsync_dir(staging)
