@@ -19,7 +19,7 @@ JOB = JobSpec(script="train.py", script_args=("--deepspeed_config", "ds config.j
 NODE_CMD = ("/opt/py/bin/python -u -m zeroengine.launcher.main --launcher local "
             "--world_layout worker-0:0,1@worker-1:0,1 {node} --master_addr worker-0 "
             "--master_port 29500{extra} train.py --deepspeed_config 'ds config.json'")
-PREFIX = "cd /home/me/proj && export PYTHONPATH=/home/me/lib NCCL_DEBUG=INFO && "
+PREFIX = "cd /home/me/proj && export PYTHONPATH=/home/me/lib && export NCCL_DEBUG=INFO && "
 
 
 def test_ssh_commands():
@@ -121,21 +121,24 @@ def test_env_file_variable_references_expand_on_the_node_as_in_a_shell(monkeypat
     import subprocess
 
     text = ("LD_LIBRARY_PATH=/opt/lib:$LD_LIBRARY_PATH\nDATA=\"${HOME}/data\"\nLIT='$HOME'\n"
-            "ODD=\"a\\\"b $NOPE` $(x)\"\n")
+            "ODD=\"a\\\"b $NOPE` $(x)\"\nCUDA_HOME=/opt/cuda\nCUDA_BIN=$CUDA_HOME/bin\n"
+            "COST=\"cost \\$HOME\"\n")
     job = replace(JOB, exports=parse_env_file(text))
     remote = ssh_commands(LAYOUT, job)[0].argv[-1]
     node_env = {"HOME": "/n", "LD_LIBRARY_PATH": "/n/lib", "PATH": "/usr/bin:/bin"}
-    exports = remote.split(" && ")[1]
-    shown = subprocess.run(["sh", "-c", exports + " && printf '%s|' \"$LD_LIBRARY_PATH\" \"$DATA\" \"$LIT\" "
-                            "\"$ODD\""], capture_output=True, text=True, env=node_env, check=True).stdout
-    assert shown.split("|")[:4] == ["/opt/lib:/n/lib", "/n/data", "$HOME", 'a"b ` $(x)']
+    exports = remote.split(" && ", 1)[1].rsplit(" && ", 1)[0]  # without the cd and the launch
+    names = ("LD_LIBRARY_PATH", "DATA", "LIT", "ODD", "CUDA_BIN", "COST")
+    shown = subprocess.run(["sh", "-c", exports + " && printf '%s|' " + " ".join(f'"${n}"' for n in names)],
+                           capture_output=True, text=True, env=node_env, check=True).stdout
+    # a value may name a variable set earlier in the file (one export per line, as when sourcing it)
+    want = ["/opt/lib:/n/lib", "/n/data", "$HOME", 'a"b ` $(x)', "/opt/cuda/bin", "cost $HOME"]
+    assert shown.split("|")[:6] == want
     # srun passes its own environment: there the launching node expands them, the same way
     monkeypatch.setenv("HOME", "/h")
     monkeypatch.setenv("LD_LIBRARY_PATH", "/h/lib")
     monkeypatch.delenv("NOPE", raising=False)
     env = slurm_command_for_layout(LAYOUT, job).env
-    assert [env[k] for k in ("LD_LIBRARY_PATH", "DATA", "LIT", "ODD")] == ["/opt/lib:/h/lib", "/h/data", "$HOME",
-                                                                          'a"b ` $(x)']
+    assert [env[k] for k in names] == ["/opt/lib:/h/lib", "/h/data", *want[2:]]
 
 
 def test_node_plans_and_rank_env():

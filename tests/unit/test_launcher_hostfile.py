@@ -54,7 +54,8 @@ def test_malformed_line_names_file_and_line(tmp_path, line, message):
 
 def test_openmpi_fields_after_slots_are_accepted_as_deepspeed_does():
     # one hostfile for mpirun and the launcher: max_slots says nothing here
-    assert parse_hostfile_text("worker-0 slots=8 max_slots=8\nworker-1 slots=4\n") == {"worker-0": 8, "worker-1": 4}
+    assert parse_hostfile_text("worker-0 slots=8 max_slots=8\nworker-1 slots=4 max-slots=4\n") == \
+        {"worker-0": 8, "worker-1": 4}
 
 
 def test_a_hostfile_that_is_not_text_is_named(tmp_path):

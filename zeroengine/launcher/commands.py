@@ -125,7 +125,18 @@ class ExpandedValue(str):
     (:func:`expand_here`). Other shell syntax (``$(...)``, backticks) stays literal."""
 
 
-_REFERENCE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+# A variable reference, or an escaped dollar (``\$``: a literal ``$``, as in a shell).
+_REFERENCE = re.compile(r"\\\$|\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def _parts(value: str):
+    """``value`` as (literal text, variable name or None) pairs."""
+    last = 0
+    for m in _REFERENCE.finditer(value):
+        name = m.group(1) or m.group(2)
+        yield value[last:m.start()] + ("$" if name is None else ""), name
+        last = m.end()
+    yield value[last:], None
 
 
 def _env_value(value: str, where: str) -> str:
@@ -145,12 +156,8 @@ def shell_word(value: str) -> str:
     """``value`` as one POSIX shell word: literal, except an :class:`ExpandedValue`'s variable references."""
     if not isinstance(value, ExpandedValue) or not _REFERENCE.search(value):
         return shlex.quote(value)
-    out, last = ['"'], 0
-    for m in _REFERENCE.finditer(value):
-        out += [_in_double_quotes(value[last:m.start()]), "${" + (m.group(1) or m.group(2)) + "}"]
-        last = m.end()
-    out += [_in_double_quotes(value[last:]), '"']
-    return "".join(out)
+    return '"' + "".join(_in_double_quotes(text) + (f"${{{name}}}" if name else "")
+                         for text, name in _parts(value)) + '"'
 
 
 def _in_double_quotes(text: str) -> str:
@@ -163,7 +170,16 @@ def expand_here(value: str, environ: Mapping[str, str]) -> str:
     """An :class:`ExpandedValue` with its references replaced from ``environ`` (unset: empty, as in a shell)."""
     if not isinstance(value, ExpandedValue):
         return value
-    return _REFERENCE.sub(lambda m: environ.get(m.group(1) or m.group(2), ""), value)
+    return "".join(text + (environ.get(name, "") if name else "") for text, name in _parts(value))
+
+
+def expand_exports_here(exports: Mapping[str, str], environ: Mapping[str, str]) -> Dict[str, str]:
+    """Every export expanded in order, each seeing those before it (as a shell running one ``export`` per
+    line does: ``PATH=$CUDA_HOME/bin:$PATH`` after ``CUDA_HOME=...``)."""
+    seen, out = dict(environ), {}
+    for key, value in exports.items():
+        out[key] = seen[key] = expand_here(value, seen)
+    return out
 
 
 def collect_exports(environ: Mapping[str, str],
@@ -216,10 +232,12 @@ def node_launcher_argv(job: JobSpec, layout: Mapping[str, List[int]],
 
 
 def remote_shell_command(job: JobSpec, argv: Sequence[str]) -> str:
-    """``cd CWD && export K=V ... && argv``, every word quoted for a POSIX shell."""
+    """``cd CWD && export K=V && ... && argv``, every word quoted for a POSIX shell."""
     parts = [f"cd {shlex.quote(job.cwd)}"]
     if job.exports:
-        parts.append("export " + " ".join(f"{k}={shell_word(v)}" for k, v in job.exports.items()))
+        # one export per variable: a shell expands all words of one command before running it, so a value
+        # naming a variable set earlier in the file must come in a later command
+        parts += [f"export {k}={shell_word(v)}" for k, v in job.exports.items()]
     parts.append(shlex.join(argv))
     return " && ".join(parts)
 
@@ -268,7 +286,7 @@ def slurm_command(job: JobSpec, num_nodes: int, procs_per_node: int,
             "--kill-on-bad-exit=1"]
     if hosts:
         argv += ["--nodelist", ",".join(hosts)]
-    env = {k: expand_here(v, os.environ) for k, v in job.exports.items()}
+    env = expand_exports_here(job.exports, os.environ)
     if job.master_addr:
         env["MASTER_ADDR"] = job.master_addr
     env["MASTER_PORT"] = str(job.master_port)

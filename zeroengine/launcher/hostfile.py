@@ -20,7 +20,7 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _SLOTS_RE = re.compile(r"^slots=(\d+)$")
 # OpenMPI's hostfile fields after slots= (``max_slots=N``, ...), which DeepSpeed's parser also lets
 # through: one hostfile can serve mpirun and this launcher. They say nothing to it.
-_EXTRA_FIELD_RE = re.compile(r"^[A-Za-z_]+=\S+$")
+_EXTRA_FIELD_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*=\S+$")
 
 
 class HostfileError(ValueError):
