@@ -139,7 +139,7 @@ def test_grouped_gemms_match_torch_at_every_tile_edge(threads, k_dim, n_dim, cou
 
     kernel = cpu_kernel(torch.zeros(1), "kernel")
     if {"avx2", "fma"} <= cpu_flags():
-        assert kernel.small_gemm_available()  # else these shapes would only test ATen's GEMMs
+        assert kernel.small_gemm_compiled()  # else these shapes would only test ATen's GEMMs
     torch.manual_seed(k_dim + n_dim)
     rows, num = sum(counts), len(counts)
     a, g = torch.randn(rows, k_dim), torch.randn(rows, n_dim)
@@ -175,7 +175,7 @@ def test_router_gemms_match_torch_at_every_tile_edge(threads, tokens, experts, d
     from zeroengine.ops.moe_dispatch import cpu_kernel
 
     kernel = cpu_kernel(torch.zeros(1), "kernel")
-    if not kernel.small_gemm_available():
+    if not kernel.small_gemm_compiled():
         pytest.skip("the small-row GEMMs need AVX2 + FMA")
     torch.manual_seed(tokens + experts + dim)
     x, wg, grad_logits = torch.randn(tokens, dim), torch.randn(experts, dim), torch.randn(tokens, experts)
@@ -193,7 +193,7 @@ def test_router_gemms_refuse_what_they_do_not_take():
     from zeroengine.ops.moe_dispatch import cpu_kernel
 
     kernel = cpu_kernel(torch.zeros(1), "kernel")
-    if not kernel.small_gemm_available():
+    if not kernel.small_gemm_compiled():
         pytest.skip("the small-row GEMMs need AVX2 + FMA")
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-d float32"):
         kernel.router_logits(torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 8))

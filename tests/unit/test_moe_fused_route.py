@@ -68,7 +68,7 @@ class _WithoutSmallGemm:
     def __getattr__(self, name):
         return getattr(self._kernel, name)
 
-    def small_gemm_available(self):
+    def small_gemm_enabled(self):
         return False
 
 
@@ -203,3 +203,22 @@ def test_wants_serial_for_small_batches_that_torch_would_thread():
     assert not wants_serial([torch.empty(8, 32)] * 8, 1 << 16)  # torch runs these single-threaded anyway
     with intra_op_threads(1):
         assert not wants_serial(small, 1 << 16)
+
+
+@pytest.mark.parametrize("small_gemm", [True, False])
+def test_cpu_autocast_leaves_the_router_in_fp32(small_gemm, monkeypatch):
+    # the ATen fallback's logits GEMM came out bf16 under autocast, and the fused gate kernel refused them
+    if not small_gemm:
+        real_kernel = fused_route.cpu_kernel
+        monkeypatch.setattr(fused_route, "cpu_kernel", lambda x, impl: None if real_kernel(x, impl) is None
+                            else _WithoutSmallGemm(real_kernel(x, impl)))
+    torch.manual_seed(0)
+    moe = MoE(H, Scale(), num_experts=4, k=2, drop_tokens=False)  # elementwise experts: nothing to autocast
+    x = torch.randn(40, H)
+    want = _grads(moe, x, moe)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _grads(moe, x, moe)
+    for a, b in zip(got[:4], want[:4]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name in want[4]:
+        torch.testing.assert_close(got[4][name], want[4][name], rtol=0, atol=0)

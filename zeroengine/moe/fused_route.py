@@ -52,8 +52,9 @@ class _RouteGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wg, k, capacity, renormalize, split, kernel):
         wg = wg.contiguous()
-        small_gemm = kernel.small_gemm_available()  # the router's GEMMs by the small-row kernels (AVX2)
-        logits = kernel.router_logits(x, wg) if small_gemm else torch.mm(x, wg.t())
+        small_gemm = kernel.small_gemm_enabled()  # the router's GEMMs by the small-row kernels (AVX2)
+        with _router_in_fp32():
+            logits = kernel.router_logits(x, wg) if small_gemm else torch.mm(x, wg.t())
         probs, outs, l_aux, scale = kernel_forward(kernel, logits, logits, k, capacity, renormalize)
         (expert_index, chosen, kept, weights, exp_counts, kept_counts, first_counts, _prob_sum, rows, index,
          _order) = outs
@@ -69,6 +70,11 @@ class _RouteGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        with _router_in_fp32():
+            return _RouteGather._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         x, wg, probs, expert_index, chosen, kept, first_counts, rows = ctx.saved_tensors
         grad_rows, (grad_weights, grad_l_aux) = grads[:-5], grads[-5:-3]
         kernel = ctx.kernel
@@ -90,6 +96,12 @@ class _RouteGather(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_wg = kernel.router_weight_grad(grad_logits, x) if ctx.small_gemm else torch.mm(grad_logits.t(), x)
         return grad_x, grad_wg, None, None, None, None, None
+
+
+def _router_in_fp32():
+    """No CPU autocast around the router's GEMMs: the router runs in fp32 (as the gate's own path does), and
+    the fused kernels take fp32 logits."""
+    return torch.autocast("cpu", enabled=False)
 
 
 def _fill_missing(grad_rows, sizes, x):

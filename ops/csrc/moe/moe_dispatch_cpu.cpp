@@ -357,9 +357,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("trans_w"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("grouped_weight_grad", &ze::moe::grouped_weight_grad, py::arg("a"), py::arg("b"), py::arg("counts"),
         py::arg("out"), py::arg("bias_out"), py::call_guard<py::gil_scoped_release>());
-  // moe_small_gemm_cpu.cpp: whether the small-row GEMMs were compiled (AVX2 + FMA) and are not turned off
-  // (ZEROENGINE_MOE_SMALL_GEMM=0): the router's GEMMs and combine_segments_addmm are used only then
-  m.def("small_gemm_available", &ze::moe::small_gemm::enabled);
+  // moe_small_gemm_cpu.cpp: whether the small-row GEMMs were compiled (AVX2 + FMA), and whether they are also
+  // not turned off (ZEROENGINE_MOE_SMALL_GEMM=0): callers use the router's GEMMs and combine_segments_addmm
+  // only when enabled
+  m.def("small_gemm_compiled", &ze::moe::small_gemm::available);
+  m.def("small_gemm_enabled", &ze::moe::small_gemm::enabled);
   // moe_router_cpu.cpp
   m.def("router_logits", &ze::moe::router_logits, py::arg("x"), py::arg("wg"),
         py::call_guard<py::gil_scoped_release>());
