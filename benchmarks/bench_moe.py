@@ -104,7 +104,33 @@ class GateAndExperts(nn.Module):
         self.output_grads = None  # made on first use, then reused (as fwd_bwd reuses its gradient)
 
     def forward(self, x):
-        return [self.wg(x), *(expert(r) for expert, r in zip(self.experts, self.rows))]
+        return [_router_logits(x, self.wg.weight), *(expert(r) for expert, r in zip(self.experts, self.rows))]
+
+
+def _router_logits(x, wg):
+    """``x @ wg.T`` with the GEMMs zeroengine's layer uses for its router where it has them (the CPU small-row
+    kernels: faster than MKL's at these skinny shapes), so the gate+experts row is no slower than what the
+    layer itself spends there; ATen's elsewhere."""
+    from zeroengine.ops.moe_dispatch import cpu_kernel
+
+    kernel = cpu_kernel(x, "auto") if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if kernel is None or not kernel.small_gemm_enabled():
+        return torch.nn.functional.linear(x, wg)
+    return _KernelLogits.apply(x, wg, kernel)
+
+
+class _KernelLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, wg, kernel):
+        ctx.save_for_backward(x, wg)
+        ctx.kernel = kernel
+        return kernel.router_logits(x.contiguous(), wg.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, wg = ctx.saved_tensors
+        grad = grad.contiguous()
+        return torch.mm(grad, wg), ctx.kernel.router_weight_grad(grad, x.contiguous()), None
 
 
 class SortMoE(nn.Module):
@@ -322,14 +348,26 @@ def ratios(shapes, baseline_of, ours_of=("zeroengine", "ze-stacked"), shared="ga
                     entry[f"{other}/{ours} (paired)"] = statistics.median(
                         a / b for a, b in zip(rows[other]["runs"], rows[ours]["runs"]))
                     if "median_s" in rows.get(shared, {}) and other not in ("floor", "bound"):
-                        base = rows[shared]
-                        entry[f"{other}/{ours} beyond {shared}"] = ((rows[other]["median_s"] - base["median_s"])
-                                                                   / (rows[ours]["median_s"] - base["median_s"]))
-                        entry[f"{other}/{ours} beyond {shared} (paired)"] = statistics.median(
-                            (a - f) / (b - f) for a, b, f in zip(rows[other]["runs"], rows[ours]["runs"],
-                                                                 base["runs"]))
+                        entry.update(_beyond(rows[other], rows[ours], rows[shared], f"{other}/{ours} beyond {shared}"))
         out.append(entry)
     return out
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _beyond(other: dict, ours: dict, base: dict, key: str, least: float = 0.1) -> dict:
+    """``(other - base) / (ours - base)`` by median and paired (over the repeats where it is defined, if
+    they are most); None ("n/a") where ours is within ``least`` of the base's time: a ratio over a
+    difference that small is noise, and may flip sign."""
+    def ratio(a, b, f):
+        return (a - f) / (b - f) if b - f > least * f else None
+
+    paired = [r for r in (ratio(a, b, f) for a, b, f in zip(other["runs"], ours["runs"], base["runs"]))
+              if r is not None]
+    return {key: ratio(other["median_s"], ours["median_s"], base["median_s"]),
+            key + " (paired)": statistics.median(paired) if 2 * len(paired) > len(ours["runs"]) else None}
 
 
 def main(argv=None):
@@ -391,7 +429,7 @@ def main(argv=None):
             beyond = {key: v for key, v in r.items() if "beyond" in key}
             if beyond:
                 print("    beyond gate+experts (median; paired): " + ", ".join(
-                    f"{key.split(' beyond')[0]} {v:.3f}; {beyond[key + ' (paired)']:.3f}"
+                    f"{key.split(' beyond')[0]} {_fmt(v)}; {_fmt(beyond[key + ' (paired)'])}"
                     for key, v in beyond.items() if "(paired)" not in key))
     worlds = [int(w) for w in args.a2a_worlds.split(",") if w] if device == "cpu" else []
     if worlds:

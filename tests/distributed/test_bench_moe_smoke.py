@@ -30,8 +30,12 @@ def test_quick_run_reports_every_candidate(tmp_path):
     for shape, r in zip(result["cheap"], result["cheap_ratios"]):  # the overhead rows' shared floor
         rows = shape["rows"]
         assert "gate+experts" in rows and "naive/zeroengine beyond gate+experts (paired)" in r
-        want = ((rows["naive"]["median_s"] - rows["gate+experts"]["median_s"])
-                / (rows["zeroengine"]["median_s"] - rows["gate+experts"]["median_s"]))
-        assert math.isclose(r["naive/zeroengine beyond gate+experts"], want)
+        base = rows["gate+experts"]["median_s"]
+        ours = rows["zeroengine"]["median_s"] - base
+        got = r["naive/zeroengine beyond gate+experts"]
+        if ours > 0.1 * base:
+            assert math.isclose(got, (rows["naive"]["median_s"] - base) / ours)
+        else:  # too close to the shared row for a ratio
+            assert got is None
     assert "bound/zeroengine" in result["mlp_ratios"][0] and len(result["load_average_start"]) == 3
     assert result["a2a"]["2"]["all_to_all_s"] > 0 and result["a2a"]["2"]["bytes_sent_per_rank"] > 0
