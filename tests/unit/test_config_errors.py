@@ -190,6 +190,15 @@ def test_a_typo_in_a_json_file_is_placed_where_it_is_not_at_the_end(tmp_path, ty
         load_config(path)
 
 
+def test_comments_trailing_commas_and_comment_marks_in_strings_do_not_hide_a_typo(tmp_path):
+    # hjson allows these; JSON's account of the file is taken with them blanked, not stopped at them
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  "train_batch_size": 8, // inline comment\n  "x": {"p": "/data/*.bin", "q": "a*/b#c",},\n'
+                    '  "fp16": {"enabled": tru},\n}\n')
+    with pytest.raises(ConfigError, match=f"{path.name}, line 4, column 23: malformed JSON: Expecting value"):
+        load_config(path)
+
+
 def test_an_hjson_file_keeps_hjson_s_account_first(tmp_path):
     path = tmp_path / "ds_config.hjson"
     path.write_text("{\n  train_batch_size: 8\n  fp16: {enabled: true\n}\n")  # one brace short

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -133,7 +132,7 @@ def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
         raise ConfigError("", f"config file not found: {path}{hint}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError("", f"cannot read config file {path}: {error}") from None
-    if not hjson_has_content(text):
+    if not _as_strict_json(text).strip():  # nothing but whitespace and comments
         raise ConfigError("", f"config file {path} is empty (nothing but whitespace and comments): it must hold "
                               "a JSON object ({...})")
     try:
@@ -148,23 +147,17 @@ def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     return data
 
 
-def hjson_has_content(text: str) -> bool:
-    """Whether ``text`` holds anything besides whitespace and ``#``, ``//`` or ``/* */`` comments."""
-    without = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
-    return any(line.strip() and not line.strip().startswith(("#", "//")) for line in without.splitlines())
-
-
 def _malformed(path: Path, text: str, error: "hjson.HjsonDecodeError") -> ConfigError:
     """Where a file fails to parse. A typo in plain JSON (``tru``, ``True``) reads to hjson as an unquoted
-    string running on, so it fails only at the end of the file. There JSON's own parser (comment lines
-    blanked, so line numbers stay) is asked too, and both answers are given: JSON's first for a ``.json``
-    file (it names the typo's place), hjson's first otherwise (JSON would stop at the first hjson-only
-    syntax)."""
+    string running on, so it fails only at the end of the file. There JSON's own parser is asked too (on
+    the text with comments and trailing commas blanked: :func:`_as_strict_json`), and both answers are
+    given: JSON's first for a ``.json`` file (it names the typo's place), hjson's first otherwise (JSON
+    would stop at the first other hjson-only syntax, such as an unquoted key)."""
     hjson_at, hjson_says = f"line {error.lineno}, column {error.colno}", error.msg
     if error.pos < len(text.rstrip()):
         return ConfigError("", f"{path}, {hjson_at}: malformed JSON/HJSON: {hjson_says}")
     try:
-        json.loads(_comment_lines_blanked(text))
+        json.loads(_as_strict_json(text))
     except json.JSONDecodeError as strict:
         json_at, json_says = f"line {strict.lineno}, column {strict.colno}", strict.msg
     else:
@@ -176,9 +169,42 @@ def _malformed(path: Path, text: str, error: "hjson.HjsonDecodeError") -> Config
                            f"{json_says})")
 
 
-def _comment_lines_blanked(text: str) -> str:
-    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), text, flags=re.DOTALL)
-    return "\n".join("" if line.strip().startswith(("#", "//")) else line for line in text.split("\n"))
+def _as_strict_json(text: str) -> str:
+    """``text`` with what hjson allows and JSON does not blanked out, outside strings: comments (``#``,
+    ``//``, ``/* */``) and trailing commas. Same length and line breaks, so JSON's line and column still
+    point into the file."""
+    out, i, n = list(text), 0, len(text)
+    last_comma = None  # index of a comma with only blanks (or blanked comments) after it so far
+
+    def blank(a, b):
+        for k in range(a, b):
+            if out[k] != "\n":
+                out[k] = " "
+
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            i, last_comma = j + 1, None
+        elif c == "#" or text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            blank(i, j)
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            blank(i, j)
+            i = j
+        else:
+            if c in "}]" and last_comma is not None:
+                out[last_comma] = " "
+            if not c.isspace():
+                last_comma = i if c == "," else None
+            i += 1
+    return "".join(out)
 
 
 def _check_positive_int(name: str, value: Any, *, allow_none: bool) -> None:
