@@ -26,7 +26,13 @@ _DEEPSPEED_ONLY = {
     "reload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",
     "destroy": "drop the references to the engine (and call torch.distributed.destroy_process_group() at the end)",
     "load_universal_checkpoint": "zeroengine checkpoints load at any world size and stage with load_checkpoint",
+    "compile": "torch.compile(model) before initialize works at stages 0-2; at stage 3 it is not supported "
+               "(the partitioned parameters cannot be traced)",
 }
+# Casts and moves of the model: the training dtype and device are the config's (fp16 / bf16 sections) and
+# initialize's, and the engine's flat buffers hold the parameters; moving them after initialize would detach
+# the model from those buffers.
+_FIXED_PLACEMENT = ("to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type")
 
 
 class Engine:
@@ -113,6 +119,10 @@ class Engine:
             raise AttributeError(name)
         if name in _DEEPSPEED_ONLY:
             raise AttributeError(f"Engine.{name}() (DeepSpeed's) is not supported: {_DEEPSPEED_ONLY[name]}")
+        if name in _FIXED_PLACEMENT:
+            raise AttributeError(f"Engine.{name}() is not supported: the training dtype comes from the config "
+                                 "(fp16 / bf16 sections) and the device from initialize (the engine's buffers hold "
+                                 "the parameters; do not cast or move engine.module after initialize either)")
         if hasattr(self.module, name):
             raise AttributeError(f"'Engine' object has no attribute {name!r}: the engine does not forward attribute "
                                  f"lookups to the model (DeepSpeed's does); use engine.module.{name}")
@@ -180,7 +190,8 @@ class Engine:
                 # Stages 1-3 would step their zero gradient chunks (Adam's moments and weight decay still move
                 # the weights) where stage 0 steps nothing: refuse, as DeepSpeed's stages 1-3 do (with a TypeError).
                 raise RuntimeError("engine.step() at an accumulation boundary with no engine.backward() since the "
-                                   "last optimizer step: there are no gradients to step with")
+                                   "last optimizer step: there are no gradients to step with (call "
+                                   "engine.backward(loss), not loss.backward())")
             self._backward_since_step = False
             self._time("step", start=True)
             lr = self.get_lr()[0]  # the rate this step applies, for the monitors (the scheduler moves it below)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -107,6 +108,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         comm.init_distributed()
     cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
     set_log_level(cfg.log_level)
+    if (cfg.zero_optimization.stage == 3 and "torch._dynamo" in sys.modules  # (no compiled model without it)
+            and isinstance(model, torch._dynamo.eval_frame.OptimizedModule)):
+        raise ValueError("torch.compile(model) is not supported at ZeRO stage 3: the partitioned parameters hold "
+                         "values only while their module runs, which tracing cannot follow; pass the model "
+                         "uncompiled, or compile it at stages 0-2")
     configure_checkpointing(cfg, mpu)
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()

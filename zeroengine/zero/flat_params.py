@@ -52,6 +52,20 @@ class FlatParamBuffer(ParamBuffer):
                     self.flat[slot.flat_start:slot.flat_end].copy_(p.detach().reshape(-1))
                     p.data = self.flat[slot.flat_start:slot.flat_end].view(p.shape)
 
+    def check_attached(self) -> None:
+        """Raise if a parameter's storage is no longer its place in ``flat`` (the model was cast or moved
+        after initialize: the engine would go on stepping ``flat`` while the model used other tensors)."""
+        lo = self.flat.data_ptr()
+        hi = lo + self.flat.numel() * self.flat.element_size()
+        for index, p in enumerate(self.params):
+            if p.dtype != self.flat.dtype or p.device != self.flat.device or not lo <= p.data_ptr() < hi:
+                raise RuntimeError(
+                    f"parameter {index} of this optimizer ({tuple(p.shape)}) is now a {p.dtype} tensor on "
+                    f"{p.device}, no longer the engine's {self.flat.dtype} buffer on {self.flat.device}: the model "
+                    "was cast or moved after initialize (engine.module.half() / .double() / .to(...)), and its "
+                    "updates would not reach it. Set the training dtype in the config (fp16 / bf16) and move the "
+                    "model before initialize")
+
     def bucket_view(self, bucket: Bucket) -> torch.Tensor:
         return self.flat[bucket.flat_start:bucket.flat_start + bucket.padded_numel]
 

@@ -206,10 +206,25 @@ class PartitionedGradStore:
         self._launcher = _InOrderLauncher(self.layout, self._launch)
         # Stage 3 frees a bucket's gathered parameters once all its gradients exist.
         self._on_bucket_ready = on_bucket_ready
+        self._in_backward = False
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    def _hooks_last(self) -> None:
+        """Move this store's hook behind any post-accumulate-grad hook registered after it (a user's, after
+        initialize): it drops ``param.grad`` once the gradient is in its bucket, and theirs must see it first."""
+        for p, handle in zip(self.params, self._handles):
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is not None and len(hooks) > 1 and next(reversed(hooks)) != handle.id:
+                # pop and re-insert: autograd walks the underlying dict, whose order move_to_end leaves alone
+                hooks[handle.id] = hooks.pop(handle.id)
 
     def _make_hook(self, index: int):
         def hook(param):
+            if not self._in_backward:
+                raise RuntimeError(
+                    "a backward pass reached ZeRO stage 2/3 parameters outside engine.backward(): call "
+                    "engine.backward(loss) instead of loss.backward() (the engine reduces and scales the "
+                    "gradients there; this one would be mixed into the next step's)")
             b = self._bucket_of[index]
             bucket = self.layout.buckets[b]
             if param.grad is not None:
@@ -242,6 +257,8 @@ class PartitionedGradStore:
 
     def begin_backward(self, is_boundary: bool) -> None:
         self._launcher.reset()
+        self._hooks_last()
+        self._in_backward = True
 
     def _accumulate(self, keep: int) -> None:
         for bucket, chunk, _buffer in self.reducer.drain(keep):
@@ -250,6 +267,7 @@ class PartitionedGradStore:
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
+        self._in_backward = False
         self._launcher.launch_ready(force=True)
         self._reduce_late()
         self._accumulate(keep=0)
@@ -275,6 +293,13 @@ class PartitionedGradStore:
             self.reducer.launch(buckets[index], self._buffers.pop(index))
 
     def zero(self) -> None:
+        # A backward that failed part-way (an error in the loss's graph) may have left buckets filled or on
+        # the wire: finish those reductions (every rank launched them) and drop them with the rest.
+        for _ in self.reducer.drain(0):
+            pass
+        self._buffers.clear()
+        self._launcher.reset()
+        self._in_backward = False
         for c in self.chunk_grads:
             c.zero_()
         for p in self.params:

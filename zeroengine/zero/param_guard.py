@@ -139,6 +139,10 @@ def describe(p) -> str:
 
 def _message(p, op: str) -> str:
     info = p._ze
+    if torch.compiler.is_compiling():  # dynamo tracing the model reaches the placeholders, not a user's code
+        return (f"torch.compile is not supported at ZeRO stage 3: tracing reached the partitioned parameter "
+                f"{info.name!r} ('{op}'), whose values exist only while its module runs. Train uncompiled at "
+                "stage 3, or compile at stages 0-2")
     in_backward = ""
     if torch._C._current_graph_task_id() != -1:
         # The usual way to get here in backward: torch's reentrant checkpoint recomputing a segment that reads

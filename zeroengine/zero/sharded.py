@@ -116,6 +116,9 @@ class ShardedOptimizer(ZeroOptimizer):
 
     # -- ZeroOptimizer pieces ---------------------------------------------------
     def begin_backward(self, is_boundary: bool) -> None:
+        check = getattr(self.flat_params, "check_attached", None)  # stages 1-2 (stage 3's params are guarded)
+        if check is not None:
+            check()
         self.grad_store.begin_backward(is_boundary)
 
     def finish_backward(self, is_boundary: bool) -> None:

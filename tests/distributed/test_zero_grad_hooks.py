@@ -1,0 +1,140 @@
+"""Stages 2 and 3 move each gradient into its bucket as soon as autograd has accumulated it: a user's
+post-accumulate-grad hook still sees it (registered before or after initialize), and a backward run
+outside engine.backward() is refused instead of being mixed into the next step."""
+import pytest
+import torch
+import torch.nn as nn
+
+import zeroengine
+from parity import base_config
+from zeroengine.testing import run_distributed
+
+WORLD = 2
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batch(rank):
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(3, 8, generator=g), torch.randn(3, 4, generator=g)
+
+
+def _grad_sums_seen_by_hooks(rank, world, stage):
+    model = _model()
+    seen = {}
+
+    def logger(name):
+        def hook(p):
+            seen.setdefault(name, None if p.grad is None else p.grad.detach().clone())
+
+        return hook
+
+    model[0].weight.register_post_accumulate_grad_hook(logger("before"))
+    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=stage))
+    model[2].weight.register_post_accumulate_grad_hook(logger("after"))
+    x, y = _batch(rank)
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    return seen
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_post_accumulate_grad_hooks_see_the_gradient(stage):
+    # The engine's own hook used to run first and drop param.grad, so a hook added after initialize saw None.
+    reference = _model()
+    x, y = _batch(0)
+    nn.functional.mse_loss(reference(x), y).backward()  # this rank's local gradient, as a hook sees it
+    seen = run_distributed(_grad_sums_seen_by_hooks, WORLD, stage)[0]
+    torch.testing.assert_close(seen["before"], reference[0].weight.grad)
+    torch.testing.assert_close(seen["after"], reference[2].weight.grad)
+
+
+def _plain_backward(rank, world, stage):
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=base_config(3, 1, world, 0.0, stage=stage))
+    x, y = _batch(rank)
+    try:
+        nn.functional.mse_loss(engine(x), y).backward()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = ""
+    engine.zero_grad()  # and the engine trains on as if that backward had not run
+    loss = nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    with zeroengine.zero.GatheredParameters(list(engine.module.parameters())):
+        return message, [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _clean_step(rank, world, stage):
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=base_config(3, 1, world, 0.0, stage=stage))
+    x, y = _batch(rank)
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    with zeroengine.zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_loss_backward_outside_the_engine_is_refused_and_leaves_nothing_behind(stage):
+    # Its bucket reductions used to stay queued through zero_grad() and land in the next step's gradient.
+    results = run_distributed(_plain_backward, WORLD, stage)
+    clean = run_distributed(_clean_step, WORLD, stage)
+    for (message, params), want in zip(results, clean):
+        assert "call engine.backward(loss) instead of loss.backward()" in message, message
+        for got, expected in zip(params, want):
+            assert torch.equal(got, expected)
+
+
+def _cast_after_initialize(rank, world, stage):
+    engine, _, _, _ = zeroengine.initialize(model=_model(), config=base_config(3, 1, world, 0.0, stage=stage))
+    try:
+        engine.half()
+    except AttributeError as err:
+        hint = str(err)
+    engine.module.double()  # what that hint used to suggest: the model leaves the engine's buffers
+    x, y = _batch(rank)
+    try:
+        engine.backward(nn.functional.mse_loss(engine(x.double()), y.double()))
+    except RuntimeError as err:
+        return hint, str(err)
+    return hint, ""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_casting_the_model_after_initialize_is_caught_not_silently_untrained(stage):
+    # Stage 2 went on with losses that never moved; stage 1 failed deep inside autograd.
+    for hint, message in run_distributed(_cast_after_initialize, WORLD, stage):
+        assert "the training dtype comes from the config" in hint and "engine.module.half" not in hint
+        assert "was cast or moved after initialize" in message, message
+
+
+def _compiled_at_stage3(rank, world):
+    model = torch.compile(_model())
+    try:
+        zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=3))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_torch_compile_at_stage3_is_refused_with_a_reason():
+    # It failed inside dynamo, with a message saying the parameter was used outside the engine's forward.
+    message = run_distributed(_compiled_at_stage3, 1)[0]
+    assert message.startswith("torch.compile(model) is not supported at ZeRO stage 3"), message
+
+
+def test_tracing_a_stage3_parameter_names_torch_compile(monkeypatch):
+    from zeroengine.zero import param_guard
+
+    class Info:
+        name, shape = "fc.weight", (4, 2)
+
+    class Param:
+        _ze = Info()
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert param_guard._message(Param(), "is_mkldnn.__get__").startswith(
+        "torch.compile is not supported at ZeRO stage 3: tracing reached the partitioned parameter 'fc.weight'")
