@@ -138,3 +138,22 @@ def test_tracing_a_stage3_parameter_names_torch_compile(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert param_guard._message(Param(), "is_mkldnn.__get__").startswith(
         "torch.compile is not supported at ZeRO stage 3: tracing reached the partitioned parameter 'fc.weight'")
+
+
+def _hooks_reading_weights(rank, world):
+    model = _model()
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(("pre", m.weight.sum().item())))
+    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=3))
+    model[0].register_forward_hook(lambda m, args, out: seen.append(("post", m.weight.sum().item())))
+    engine(_batch(rank)[0])
+    return seen
+
+
+def test_stage3_forward_hooks_that_read_weights_find_them_gathered():
+    # zeroengine's own hooks ran inside the user's: a pre-hook registered before initialize, or a forward hook
+    # registered after it, met the partitioned placeholder
+    want = _model()[0].weight.sum().item()
+    for seen in run_distributed(_hooks_reading_weights, WORLD):
+        assert [kind for kind, _ in seen] == ["pre", "post"]
+        assert all(abs(value - want) < 1e-5 for _, value in seen), seen

@@ -91,7 +91,7 @@ class Stage3Hooks:
         self._trainable_unit = {u.bucket.index: i for i, u in enumerate(units) if u.trainable}
         self.prefetched: set[int] = set()  # fetched ahead, not yet asked for
         self.kept: set[int] = set()  # kept gathered after use (reuse distance)
-        self.handles = [module.register_forward_pre_hook(self._begin_pass)]
+        self.handles = []
         self._unit_of_param = unit_of_param
         self._name_of = {id(m): name for name, m in module.named_modules()}  # this model's modules
         self._hooked: set[int] = set()
@@ -115,6 +115,9 @@ class Stage3Hooks:
                 self._attach(m, name, owned)
             elif registered := self._registered(m):
                 self._unhooked.append((m, name or type(m).__name__, registered))
+        self._root = module
+        self._begin_handle = module.register_forward_pre_hook(self._begin_pass, prepend=True)
+        self.handles.insert(0, self._begin_handle)
         _LIVE.add(self)
 
     def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
@@ -123,8 +126,16 @@ class Stage3Hooks:
         # The parameters the engine partitioned, as registered on the module: one swapped for a new object
         # (load_state_dict(assign=True), setattr) would train nowhere, so its use is refused.
         registered = self._registered(m)
-        self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned, registered)))
-        self.handles.append(m.register_forward_hook(self._post_forward(label)))
+        # Ours run around the user's hooks: the gather before every forward pre-hook (prepend), the release
+        # after every forward hook (moved last on each call, see _pre_forward), so a hook that reads the
+        # module's weights, registered before or after initialize, finds them gathered.
+        post = m.register_forward_hook(self._post_forward(label))
+        self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned, registered, post.id),
+                                                        prepend=True))
+        self.handles.append(post)
+        begin = getattr(self, "_begin_handle", None)
+        if m is getattr(self, "_root", None) and begin is not None:  # the pass begins before the root's gather
+            m._forward_pre_hooks.move_to_end(begin.id, last=False)
 
     def _registered(self, m: torch.nn.Module) -> tuple:
         return tuple((key, p) for key, p in m._parameters.items() if p is not None and id(p) in self._unit_of_param)
@@ -190,9 +201,12 @@ class Stage3Hooks:
             self.end_pass()  # a forward with no backward after it
         self.trace.begin_pass(torch.is_grad_enabled())
 
-    def _pre_forward(self, label: str, owned: tuple[int, ...], registered=()):
+    def _pre_forward(self, label: str, owned: tuple[int, ...], registered=(), post_id=None):
         def hook(module, args):
             self._check_not_swapped(module, label, registered)
+            hooks = module._forward_hooks
+            if post_id in hooks and next(reversed(hooks)) != post_id:  # a forward hook added since: ours last
+                hooks[post_id] = hooks.pop(post_id)
             units = self._units_of(module, owned)
             self._active[id(module)].append(units)
             if not units:
