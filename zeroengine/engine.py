@@ -177,7 +177,11 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         self.optimizer.begin_backward(boundary)
         self._backward_since_step = True
-        scaled.backward(retain_graph=retain_graph)
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        except BaseException:
+            self.optimizer.cancel_backward()
+            raise
         self.optimizer.finish_backward(boundary)
         self._time("backward", start=False)
         return loss

@@ -108,8 +108,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         comm.init_distributed()
     cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
     set_log_level(cfg.log_level)
-    if (cfg.zero_optimization.stage == 3 and "torch._dynamo" in sys.modules  # (no compiled model without it)
-            and isinstance(model, torch._dynamo.eval_frame.OptimizedModule)):
+    compiled = "torch._dynamo" in sys.modules and (  # (no compiled model without it)
+        isinstance(model, torch._dynamo.eval_frame.OptimizedModule)  # torch.compile(model)
+        or getattr(model, "_compiled_call_impl", None) is not None)  # model.compile()
+    if cfg.zero_optimization.stage == 3 and compiled:
         raise ValueError("torch.compile(model) is not supported at ZeRO stage 3: the partitioned parameters hold "
                          "values only while their module runs, which tracing cannot follow; pass the model "
                          "uncompiled, or compile it at stages 0-2")

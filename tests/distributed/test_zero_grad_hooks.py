@@ -157,3 +157,98 @@ def test_stage3_forward_hooks_that_read_weights_find_them_gathered():
     for seen in run_distributed(_hooks_reading_weights, WORLD):
         assert [kind for kind, _ in seen] == ["pre", "post"]
         assert all(abs(value - want) < 1e-5 for _, value in seen), seen
+
+
+def _gan(rank, world, stage):
+    """DeepSpeedExamples' GAN loop: the generator's loss flows through the discriminator's parameters during
+    the generator engine's backward; those gradients stay in .grad (as in torch) until d.zero_grad()."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+    D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    g, _, _, _ = zeroengine.initialize(model=G, config=base_config(3, 1, world, 0.0, stage=stage))
+    d, _, _, _ = zeroengine.initialize(model=D, config=base_config(3, 1, world, 0.0, stage=stage))
+    bce = nn.BCEWithLogitsLoss()
+    for it in range(3):
+        gen = torch.Generator().manual_seed(it * 10 + rank)
+        real, z = torch.randn(3, 8, generator=gen), torch.randn(3, 4, generator=gen)
+        d.zero_grad()
+        fake = g(z)
+        d.backward(bce(d(real), torch.ones(3, 1)) + bce(d(fake.detach()), torch.zeros(3, 1)))
+        d.step()
+        g.zero_grad()
+        g.backward(bce(d(fake), torch.ones(3, 1)))
+        g.step()
+    with zeroengine.zero.GatheredParameters(list(G.parameters()) + list(D.parameters())):
+        return [p.detach().clone() for p in list(G.parameters()) + list(D.parameters())]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_engines_whose_losses_cross_train_as_at_stage_0(stage):
+    # The stray discriminator gradients used to be reduced into its next step (stages 2-3), then refused.
+    want = run_distributed(_gan, WORLD, 0)
+    for got, ref in zip(run_distributed(_gan, WORLD, stage), want):
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("boom in backward")
+
+
+def _failed_backward_then_plain(rank, world, stage):
+    model = _model()
+    model.register_parameter("empty", nn.Parameter(torch.zeros(0)))  # a zero-size parameter trains too
+    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=stage))
+    x, y = _batch(rank)
+    out = engine(x)
+    with pytest.raises(ValueError, match="boom"):
+        engine.backward(nn.functional.mse_loss(_Boom.apply(out) + 0 * out.sum(), y))
+    engine.zero_grad()
+    with pytest.raises(RuntimeError, match="call engine.backward"):
+        nn.functional.mse_loss(engine(x), y).backward()  # still refused: the failed one did not leave it "inside"
+    engine.zero_grad()
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    return True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_failed_engine_backward_leaves_no_backward_running(stage):
+    assert all(run_distributed(_failed_backward_then_plain, WORLD, stage))
+
+
+def _zero_size(rank, world, stage):
+    model = _model()
+    model.register_parameter("empty", nn.Parameter(torch.zeros(0)))
+    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=stage))
+    x, y = _batch(rank)
+    for _ in range(2):
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero_size_parameter_is_not_taken_for_a_cast_model(stage):
+    # an empty tensor's data_ptr is 0, outside the flat buffer
+    assert all(run_distributed(_zero_size, WORLD, stage))
+
+
+def _compiled_in_place(rank, world):
+    model = _model()
+    model.compile()
+    try:
+        zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=3))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_module_compile_in_place_is_refused_at_stage3_too():
+    assert run_distributed(_compiled_in_place, 1)[0].startswith("torch.compile(model) is not supported")

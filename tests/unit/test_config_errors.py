@@ -199,6 +199,14 @@ def test_comments_trailing_commas_and_comment_marks_in_strings_do_not_hide_a_typ
         load_config(path)
 
 
+def test_an_unclosed_comment_is_a_config_error_not_a_parser_crash(tmp_path):
+    # hjson itself fails with an IndexError here
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  /* unclosed\n}\n')
+    with pytest.raises(ConfigError, match=r"malformed JSON/HJSON: .*\(a /\* comment is never closed\)"):
+        load_config(path)
+
+
 def test_an_hjson_file_keeps_hjson_s_account_first(tmp_path):
     path = tmp_path / "ds_config.hjson"
     path.write_text("{\n  train_batch_size: 8\n  fp16: {enabled: true\n}\n")  # one brace short

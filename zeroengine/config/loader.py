@@ -139,6 +139,14 @@ def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
         data = hjson.loads(text, object_pairs_hook=_reject_duplicates)
     except hjson.HjsonDecodeError as error:
         raise _malformed(path, text, error) from None
+    except (IndexError, ValueError) as error:  # hjson's own failures on some inputs (an unclosed /* comment)
+        try:
+            json.loads(_as_strict_json(text))
+        except json.JSONDecodeError as strict:
+            unclosed = " (a /* comment is never closed)" if text.count("/*") > text.count("*/") else ""
+            raise ConfigError("", f"{path}, line {strict.lineno}, column {strict.colno}: malformed JSON/HJSON: "
+                                  f"{strict.msg}{unclosed}") from None
+        raise ConfigError("", f"{path}: malformed JSON/HJSON ({type(error).__name__}: {error})") from None
     except _DuplicateKey as error:
         raise ConfigError("", f"{path}: key '{error.args[0]}' appears twice in the same object; "
                               "remove one of them") from None
@@ -153,7 +161,8 @@ def _malformed(path: Path, text: str, error: "hjson.HjsonDecodeError") -> Config
     the text with comments and trailing commas blanked: :func:`_as_strict_json`), and both answers are
     given: JSON's first for a ``.json`` file (it names the typo's place), hjson's first otherwise (JSON
     would stop at the first other hjson-only syntax, such as an unquoted key)."""
-    hjson_at, hjson_says = f"line {error.lineno}, column {error.colno}", error.msg
+    # error.msg can be an unformatted template ("Invalid control character %r at"); str(error) is formatted
+    hjson_at, hjson_says = f"line {error.lineno}, column {error.colno}", str(error).rsplit(": line ", 1)[0]
     if error.pos < len(text.rstrip()):
         return ConfigError("", f"{path}, {hjson_at}: malformed JSON/HJSON: {hjson_says}")
     try:

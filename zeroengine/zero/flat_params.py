@@ -58,7 +58,8 @@ class FlatParamBuffer(ParamBuffer):
         lo = self.flat.data_ptr()
         hi = lo + self.flat.numel() * self.flat.element_size()
         for index, p in enumerate(self.params):
-            if p.dtype != self.flat.dtype or p.device != self.flat.device or not lo <= p.data_ptr() < hi:
+            placed = p.numel() == 0 or lo <= p.data_ptr() < hi  # (an empty tensor's data_ptr is 0)
+            if p.dtype != self.flat.dtype or p.device != self.flat.device or not placed:
                 raise RuntimeError(
                     f"parameter {index} of this optimizer ({tuple(p.shape)}) is now a {p.dtype} tensor on "
                     f"{p.device}, no longer the engine's {self.flat.dtype} buffer on {self.flat.device}: the model "

@@ -181,6 +181,11 @@ class FullGradStore:
         return []
 
 
+# How many engines' backward passes are running now (one thread: a GAN's generator backward runs through
+# the discriminator's parameters while only the generator's engine is in its backward).
+_BACKWARDS_RUNNING = [0]
+
+
 class PartitionedGradStore:
     """Stage 2 (see module doc).
 
@@ -207,6 +212,7 @@ class PartitionedGradStore:
         # Stage 3 frees a bucket's gathered parameters once all its gradients exist.
         self._on_bucket_ready = on_bucket_ready
         self._in_backward = False
+        self._stray = _InOrderLauncher(self.layout, lambda bucket: None)  # completeness of stray gradients only
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
     def _hooks_last(self) -> None:
@@ -221,10 +227,8 @@ class PartitionedGradStore:
     def _make_hook(self, index: int):
         def hook(param):
             if not self._in_backward:
-                raise RuntimeError(
-                    "a backward pass reached ZeRO stage 2/3 parameters outside engine.backward(): call "
-                    "engine.backward(loss) instead of loss.backward() (the engine reduces and scales the "
-                    "gradients there; this one would be mixed into the next step's)")
+                self._outside_backward(index)
+                return
             b = self._bucket_of[index]
             bucket = self.layout.buckets[b]
             if param.grad is not None:
@@ -242,6 +246,30 @@ class PartitionedGradStore:
 
         return hook
 
+    def _outside_backward(self, index: int) -> None:
+        """A gradient that arrived outside this engine's backward. Inside another engine's backward (a GAN:
+        the generator's loss flows through the discriminator) it stays in ``param.grad``, as in torch, for
+        zero_grad() to drop, and nothing is reduced; stage 3 still releases the bucket once complete. With no
+        engine's backward running, it is a plain loss.backward(): refused, since its gradients would be
+        reduced unscaled, out of step with the other ranks, into the next step."""
+        if not _BACKWARDS_RUNNING[0]:
+            raise RuntimeError(
+                "a backward pass reached ZeRO stage 2/3 parameters outside engine.backward(): call "
+                "engine.backward(loss) instead of loss.backward() (the engine reduces and scales the "
+                "gradients there; this one would be mixed into the next step's)")
+        b = self._bucket_of[index]
+        if self._stray.mark_ready(b, index) and self._on_bucket_ready is not None:
+            self._on_bucket_ready(self.layout.buckets[b])
+
+    def _set_in_backward(self, running: bool) -> None:
+        if running != self._in_backward:
+            _BACKWARDS_RUNNING[0] += 1 if running else -1
+            self._in_backward = running
+
+    def cancel_backward(self) -> None:
+        """The backward raised: this engine is no longer in one (its partial buckets go at zero_grad)."""
+        self._set_in_backward(False)
+
     def _buffer(self, bucket: Bucket) -> torch.Tensor:
         buf = self._buffers.get(bucket.index)
         if buf is None:
@@ -257,8 +285,9 @@ class PartitionedGradStore:
 
     def begin_backward(self, is_boundary: bool) -> None:
         self._launcher.reset()
+        self._stray.reset()
         self._hooks_last()
-        self._in_backward = True
+        self._set_in_backward(True)
 
     def _accumulate(self, keep: int) -> None:
         for bucket, chunk, _buffer in self.reducer.drain(keep):
@@ -267,7 +296,7 @@ class PartitionedGradStore:
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
-        self._in_backward = False
+        self._set_in_backward(False)
         self._launcher.launch_ready(force=True)
         self._reduce_late()
         self._accumulate(keep=0)
@@ -299,7 +328,8 @@ class PartitionedGradStore:
             pass
         self._buffers.clear()
         self._launcher.reset()
-        self._in_backward = False
+        self._stray.reset()
+        self._set_in_backward(False)
         for c in self.chunk_grads:
             c.zero_()
         for p in self.params:

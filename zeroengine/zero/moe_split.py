@@ -135,6 +135,10 @@ class ExpertShardedOptimizer(ZeroOptimizer):
         for part in self.parts:
             part.finish_backward(is_boundary)
 
+    def cancel_backward(self) -> None:
+        for part in self.parts:
+            part.cancel_backward()
+
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
         return [g for part in self.parts for g in part._unscaled_fp32_grads(inv_scale)]
 

@@ -106,6 +106,9 @@ class ZeroOptimizer:
         """Called after every micro-step's backward: reduce gradients as the stage requires."""
         raise NotImplementedError
 
+    def cancel_backward(self) -> None:
+        """Called instead of :meth:`finish_backward` when the backward raised."""
+
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
         raise NotImplementedError
 

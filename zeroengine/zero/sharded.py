@@ -121,6 +121,11 @@ class ShardedOptimizer(ZeroOptimizer):
             check()
         self.grad_store.begin_backward(is_boundary)
 
+    def cancel_backward(self) -> None:
+        cancel = getattr(self.grad_store, "cancel_backward", None)
+        if cancel is not None:
+            cancel()
+
     def finish_backward(self, is_boundary: bool) -> None:
         self.grad_store.finish_backward(is_boundary)
         if self._after_backward is not None:
