@@ -245,10 +245,9 @@ def save_without_frozen(rank, world, stage, save_dir):
     return full_state(engine)
 
 
-def load_without_frozen(rank, world, stage, save_dir):
-    model = frozen_model()
-    with torch.no_grad():
-        model.wpe.weight.fill_(0.25)  # this model's own frozen values: kept by a non-strict load
+def _load_strict_then_not(model, world, stage, save_dir):
+    """An engine for ``model`` that tried a strict load of ``save_dir`` (returns its refusal, or "") and then
+    loaded it with load_module_strict=False."""
     engine, _, _, _ = zeroengine.initialize(model=model, config=config(world, stage))
     try:
         engine.load_checkpoint(save_dir)
@@ -256,6 +255,14 @@ def load_without_frozen(rank, world, stage, save_dir):
     except CheckpointError as err:
         refused = str(err)
     engine.load_checkpoint(save_dir, load_module_strict=False)
+    return engine, refused
+
+
+def load_without_frozen(rank, world, stage, save_dir):
+    model = frozen_model()
+    with torch.no_grad():
+        model.wpe.weight.fill_(0.25)  # this model's own frozen values: kept by a non-strict load
+    engine, refused = _load_strict_then_not(model, world, stage, save_dir)
     loaded = full_state(engine)
     losses = train(engine, rank, world, 2, 1)  # and training goes on from there
     return refused, loaded, losses
@@ -289,13 +296,7 @@ def load_with_an_adapter(rank, world, stage, save_dir):
     model.adapter = torch.nn.Linear(TINY.n_embd, 2)
     with torch.no_grad():
         model.adapter.weight.fill_(0.5)
-    engine, _, _, _ = zeroengine.initialize(model=model, config=config(world, stage))
-    try:
-        engine.load_checkpoint(save_dir)
-        refused = ""
-    except CheckpointError as err:
-        refused = str(err)
-    engine.load_checkpoint(save_dir, load_module_strict=False)
+    engine, refused = _load_strict_then_not(model, world, stage, save_dir)
     with GatheredParameters([model.adapter.weight]):
         adapter = model.adapter.weight.detach().clone()
     return refused, adapter, full_state(engine)

@@ -111,8 +111,12 @@ def test_casting_the_model_after_initialize_is_caught_not_silently_untrained(sta
         assert "was cast or moved after initialize" in message, message
 
 
-def _compiled_at_stage3(rank, world):
-    model = torch.compile(_model())
+def _compiled_at_stage3(rank, world, in_place=False):
+    model = _model()
+    if in_place:
+        model.compile()  # nn.Module.compile: the module itself, compiled on its next call
+    else:
+        model = torch.compile(model)
     try:
         zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=3))
     except ValueError as err:
@@ -201,10 +205,15 @@ class _Boom(torch.autograd.Function):
         raise ValueError("boom in backward")
 
 
-def _failed_backward_then_plain(rank, world, stage):
+def _with_an_empty_parameter(world, stage):
     model = _model()
     model.register_parameter("empty", nn.Parameter(torch.zeros(0)))  # a zero-size parameter trains too
     engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=stage))
+    return engine
+
+
+def _failed_backward_then_plain(rank, world, stage):
+    engine = _with_an_empty_parameter(world, stage)
     x, y = _batch(rank)
     out = engine(x)
     with pytest.raises(ValueError, match="boom"):
@@ -224,9 +233,7 @@ def test_a_failed_engine_backward_leaves_no_backward_running(stage):
 
 
 def _zero_size(rank, world, stage):
-    model = _model()
-    model.register_parameter("empty", nn.Parameter(torch.zeros(0)))
-    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=stage))
+    engine = _with_an_empty_parameter(world, stage)
     x, y = _batch(rank)
     for _ in range(2):
         engine.backward(nn.functional.mse_loss(engine(x), y))
@@ -240,15 +247,5 @@ def test_a_zero_size_parameter_is_not_taken_for_a_cast_model(stage):
     assert all(run_distributed(_zero_size, WORLD, stage))
 
 
-def _compiled_in_place(rank, world):
-    model = _model()
-    model.compile()
-    try:
-        zeroengine.initialize(model=model, config=base_config(3, 1, world, 0.0, stage=3))
-    except ValueError as err:
-        return str(err)
-    return ""
-
-
 def test_module_compile_in_place_is_refused_at_stage3_too():
-    assert run_distributed(_compiled_in_place, 1)[0].startswith("torch.compile(model) is not supported")
+    assert run_distributed(_compiled_at_stage3, 1, True)[0].startswith("torch.compile(model) is not supported")
