@@ -11,6 +11,7 @@ import torch
 from zeroengine import comm
 from zeroengine.comm.scratch import scratch as comm_scratch
 from zeroengine.progress import ProgressMeter, StepTimers, format_progress, get_logger
+from zeroengine.zero.grad_stores import engine_backward
 from zeroengine.zero.optimizer import StepResult, ZeroOptimizer
 
 
@@ -178,7 +179,8 @@ class Engine:
         self.optimizer.begin_backward(boundary)
         self._backward_since_step = True
         try:
-            scaled.backward(retain_graph=retain_graph)
+            with engine_backward():  # (other engines' stages 2-3 keep stray gradients meanwhile, as torch does)
+                scaled.backward(retain_graph=retain_graph)
         except BaseException:
             self.optimizer.cancel_backward()
             raise

@@ -163,13 +163,14 @@ def test_stage3_forward_hooks_that_read_weights_find_them_gathered():
         assert all(abs(value - want) < 1e-5 for _, value in seen), seen
 
 
-def _gan(rank, world, stage):
+def _gan(rank, world, stage, g_stage=None):
     """DeepSpeedExamples' GAN loop: the generator's loss flows through the discriminator's parameters during
     the generator engine's backward; those gradients stay in .grad (as in torch) until d.zero_grad()."""
     torch.manual_seed(0)
     G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
     D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    g, _, _, _ = zeroengine.initialize(model=G, config=base_config(3, 1, world, 0.0, stage=stage))
+    g_stage = stage if g_stage is None else g_stage
+    g, _, _, _ = zeroengine.initialize(model=G, config=base_config(3, 1, world, 0.0, stage=g_stage))
     d, _, _, _ = zeroengine.initialize(model=D, config=base_config(3, 1, world, 0.0, stage=stage))
     bce = nn.BCEWithLogitsLoss()
     for it in range(3):
@@ -186,11 +187,11 @@ def _gan(rank, world, stage):
         return [p.detach().clone() for p in list(G.parameters()) + list(D.parameters())]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_engines_whose_losses_cross_train_as_at_stage_0(stage):
+@pytest.mark.parametrize("stage,g_stage", [(2, 2), (3, 3), (3, 1)])  # (the discriminator's, the generator's)
+def test_two_engines_whose_losses_cross_train_as_at_stage_0(stage, g_stage):
     # The stray discriminator gradients used to be reduced into its next step (stages 2-3), then refused.
     want = run_distributed(_gan, WORLD, 0)
-    for got, ref in zip(run_distributed(_gan, WORLD, stage), want):
+    for got, ref in zip(run_distributed(_gan, WORLD, stage, g_stage), want):
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 

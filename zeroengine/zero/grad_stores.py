@@ -32,6 +32,8 @@ same boundary (``retain_graph``, two losses) is refused there with a clear error
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from zeroengine import comm
@@ -181,9 +183,19 @@ class FullGradStore:
         return []
 
 
-# How many engines' backward passes are running now (one thread: a GAN's generator backward runs through
-# the discriminator's parameters while only the generator's engine is in its backward).
+# How many engines' backward passes are running now, at any stage (one thread: a GAN's generator backward
+# runs through the discriminator's parameters while only the generator's engine is in its backward).
 _BACKWARDS_RUNNING = [0]
+
+
+@contextmanager
+def engine_backward():
+    """Around an engine's ``loss.backward()`` (Engine.backward)."""
+    _BACKWARDS_RUNNING[0] += 1
+    try:
+        yield
+    finally:
+        _BACKWARDS_RUNNING[0] -= 1
 
 
 class PartitionedGradStore:
@@ -261,14 +273,9 @@ class PartitionedGradStore:
         if self._stray.mark_ready(b, index) and self._on_bucket_ready is not None:
             self._on_bucket_ready(self.layout.buckets[b])
 
-    def _set_in_backward(self, running: bool) -> None:
-        if running != self._in_backward:
-            _BACKWARDS_RUNNING[0] += 1 if running else -1
-            self._in_backward = running
-
     def cancel_backward(self) -> None:
         """The backward raised: this engine is no longer in one (its partial buckets go at zero_grad)."""
-        self._set_in_backward(False)
+        self._in_backward = False
 
     def _buffer(self, bucket: Bucket) -> torch.Tensor:
         buf = self._buffers.get(bucket.index)
@@ -287,7 +294,7 @@ class PartitionedGradStore:
         self._launcher.reset()
         self._stray.reset()
         self._hooks_last()
-        self._set_in_backward(True)
+        self._in_backward = True
 
     def _accumulate(self, keep: int) -> None:
         for bucket, chunk, _buffer in self.reducer.drain(keep):
@@ -296,7 +303,7 @@ class PartitionedGradStore:
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
-        self._set_in_backward(False)
+        self._in_backward = False
         self._launcher.launch_ready(force=True)
         self._reduce_late()
         self._accumulate(keep=0)
@@ -329,7 +336,7 @@ class PartitionedGradStore:
         self._buffers.clear()
         self._launcher.reset()
         self._stray.reset()
-        self._set_in_backward(False)
+        self._in_backward = False
         for c in self.chunk_grads:
             c.zero_()
         for p in self.params:
