@@ -176,9 +176,9 @@ class Engine:
         if self.optimizer.loss_scaler is not None:
             scaled = scaled * self.optimizer.loss_scale
         boundary = self.is_gradient_accumulation_boundary()
-        self.optimizer.begin_backward(boundary)
-        self._backward_since_step = True
         try:
+            self.optimizer.begin_backward(boundary)
+            self._backward_since_step = True
             with engine_backward():  # (other engines' stages 2-3 keep stray gradients meanwhile, as torch does)
                 scaled.backward(retain_graph=retain_graph)
         except BaseException:

@@ -182,6 +182,8 @@ def _gan(rank, world, stage, g_stage=None):
         d.step()
         g.zero_grad()
         g.backward(bce(d(fake), torch.ones(3, 1)))
+        if stage == 3:  # the discriminator's parameters are free again once the generator's backward is over
+            assert d.optimizer.fetch_stats()["live_numel"] == 0
         g.step()
     with zeroengine.zero.GatheredParameters(list(G.parameters()) + list(D.parameters())):
         return [p.detach().clone() for p in list(G.parameters()) + list(D.parameters())]
@@ -250,3 +252,44 @@ def test_a_zero_size_parameter_is_not_taken_for_a_cast_model(stage):
 
 def test_module_compile_in_place_is_refused_at_stage3_too():
     assert run_distributed(_compiled_at_stage3, 1, True)[0].startswith("torch.compile(model) is not supported")
+
+
+class _DiscriminatorWithHead(nn.Module):
+    """A discriminator whose head only the generator's loss uses: its gradient is all stray."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, generator_side=False):
+        return self.body(x) + (self.head(x) if generator_side else 0)
+
+
+def _gan_stray_only(rank, world, stage):
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+    D = _DiscriminatorWithHead()
+    g, _, _, _ = zeroengine.initialize(model=G, config=base_config(3, 1, world, 0.0, stage=stage))
+    d, _, _, _ = zeroengine.initialize(model=D, config=base_config(3, 1, world, 0.0, stage=stage))
+    bce = nn.BCEWithLogitsLoss()
+    for it in range(3):
+        gen = torch.Generator().manual_seed(it * 10 + rank)
+        real, z = torch.randn(3, 8, generator=gen), torch.randn(3, 4, generator=gen)
+        fake = g(z)
+        g.backward(bce(d(fake, True), torch.ones(3, 1)))  # no d.zero_grad(): D steps with these too, as torch
+        g.step()
+        d.backward(bce(d(real), torch.ones(3, 1)) + bce(d(fake.detach()), torch.zeros(3, 1)))
+        d.step()
+    with zeroengine.zero.GatheredParameters(list(D.parameters())):
+        return [p.detach().clone() for p in D.parameters()]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_stray_gradient_on_a_parameter_the_owner_s_loss_does_not_reach_is_stepped_as_in_torch(stage):
+    # it stayed in .grad through the owner's backward, and its step dropped it
+    want = run_distributed(_gan_stray_only, WORLD, 0)
+    for got, ref in zip(run_distributed(_gan_stray_only, WORLD, stage), want):
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -177,7 +177,8 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
             unit_of.update({id(frozen_buffer.params[s.index]): len(units) - 1 for s in b.slots})
     hooks = Stage3Hooks(module, units, unit_of, FetchPolicy.from_config(zero_config))
     reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
-    grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready)
+    grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready,
+                                      on_stray_pass_over=hooks.release_all)
     sharded = _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, trainable.params,
                         fp32_values, grad_store, group_of, after_backward=hooks.release_all, cls=Stage3Optimizer)
     sharded.hooks, sharded.frozen_params = hooks, frozen_buffer

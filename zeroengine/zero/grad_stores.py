@@ -188,6 +188,10 @@ class FullGradStore:
 _BACKWARDS_RUNNING = [0]
 
 
+# Stores that received stray gradients during the running backward: told when it is over.
+_STRAY_SEEN: list["PartitionedGradStore"] = []
+
+
 @contextmanager
 def engine_backward():
     """Around an engine's ``loss.backward()`` (Engine.backward)."""
@@ -196,6 +200,10 @@ def engine_backward():
         yield
     finally:
         _BACKWARDS_RUNNING[0] -= 1
+        if not _BACKWARDS_RUNNING[0]:
+            seen, _STRAY_SEEN[:] = list(_STRAY_SEEN), []
+            for store in seen:
+                store.stray_pass_over()
 
 
 class PartitionedGradStore:
@@ -209,7 +217,7 @@ class PartitionedGradStore:
     rather than pooled, so no full-bucket buffer outlives the backward.
     """
 
-    def __init__(self, flat_params, reducer: _BucketReducer, on_bucket_ready=None):
+    def __init__(self, flat_params, reducer: _BucketReducer, on_bucket_ready=None, on_stray_pass_over=None):
         self.params = flat_params.params
         self.layout: FlatLayout = flat_params.layout
         self.reducer = reducer
@@ -223,8 +231,9 @@ class PartitionedGradStore:
         self._launcher = _InOrderLauncher(self.layout, self._launch)
         # Stage 3 frees a bucket's gathered parameters once all its gradients exist.
         self._on_bucket_ready = on_bucket_ready
+        # Stage 3 frees everything gathered once another engine's backward through these parameters is over.
+        self._on_stray_pass_over = on_stray_pass_over
         self._in_backward = False
-        self._stray = _InOrderLauncher(self.layout, lambda bucket: None)  # completeness of stray gradients only
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
     def _hooks_last(self) -> None:
@@ -260,18 +269,34 @@ class PartitionedGradStore:
 
     def _outside_backward(self, index: int) -> None:
         """A gradient that arrived outside this engine's backward. Inside another engine's backward (a GAN:
-        the generator's loss flows through the discriminator) it stays in ``param.grad``, as in torch, for
-        zero_grad() to drop, and nothing is reduced; stage 3 still releases the bucket once complete. With no
+        the generator's loss flows through the discriminator) it stays in ``param.grad``, as in torch: this
+        engine's next backward takes it (:meth:`_take_leftovers`) unless zero_grad() drops it first, and
+        stage 3 frees the parameters once that other backward is over (:meth:`stray_pass_over`). With no
         engine's backward running, it is a plain loss.backward(): refused, since its gradients would be
-        reduced unscaled, out of step with the other ranks, into the next step."""
+        reduced unscaled, out of step with the other ranks."""
         if not _BACKWARDS_RUNNING[0]:
             raise RuntimeError(
                 "a backward pass reached ZeRO stage 2/3 parameters outside engine.backward(): call "
                 "engine.backward(loss) instead of loss.backward() (the engine reduces and scales the "
                 "gradients there; this one would be mixed into the next step's)")
-        b = self._bucket_of[index]
-        if self._stray.mark_ready(b, index) and self._on_bucket_ready is not None:
-            self._on_bucket_ready(self.layout.buckets[b])
+        if self not in _STRAY_SEEN:
+            _STRAY_SEEN.append(self)
+
+    def stray_pass_over(self) -> None:
+        """The other engine's backward that reached these parameters is over."""
+        if self._on_stray_pass_over is not None:
+            self._on_stray_pass_over()
+
+    def _take_leftovers(self) -> None:
+        """Gradients left in ``param.grad`` by another engine's backward (see :meth:`_outside_backward`) for
+        parameters this backward did not reach: into their buckets, as torch would have them in the step."""
+        for index, p in enumerate(self.params):
+            if p.grad is not None:
+                bucket = self.layout.buckets[self._bucket_of[index]]
+                slot = self._slot_of[index]
+                start = slot.flat_start - bucket.flat_start
+                self._buffer(bucket)[start:start + slot.numel].add_(p.grad.reshape(-1))
+                p.grad = None
 
     def cancel_backward(self) -> None:
         """The backward raised: this engine is no longer in one (its partial buckets go at zero_grad)."""
@@ -292,7 +317,6 @@ class PartitionedGradStore:
 
     def begin_backward(self, is_boundary: bool) -> None:
         self._launcher.reset()
-        self._stray.reset()
         self._hooks_last()
         self._in_backward = True
 
@@ -304,6 +328,7 @@ class PartitionedGradStore:
         # Stage 2 reduces every micro-step: keeping full gradients until the
         # boundary would defeat its memory saving.
         self._in_backward = False
+        self._take_leftovers()
         self._launcher.launch_ready(force=True)
         self._reduce_late()
         self._accumulate(keep=0)
@@ -335,7 +360,6 @@ class PartitionedGradStore:
             pass
         self._buffers.clear()
         self._launcher.reset()
-        self._stray.reset()
         self._in_backward = False
         for c in self.chunk_grads:
             c.zero_()

@@ -125,6 +125,8 @@ class ShardedOptimizer(ZeroOptimizer):
         cancel = getattr(self.grad_store, "cancel_backward", None)
         if cancel is not None:
             cancel()
+        if self._after_backward is not None:  # stage 3: free what the failed pass had gathered
+            self._after_backward()
 
     def finish_backward(self, is_boundary: bool) -> None:
         self.grad_store.finish_backward(is_boundary)
