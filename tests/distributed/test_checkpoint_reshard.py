@@ -296,17 +296,28 @@ def load_with_an_adapter(rank, world, stage, save_dir):
     model.adapter = torch.nn.Linear(TINY.n_embd, 2)
     with torch.no_grad():
         model.adapter.weight.fill_(0.5)
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("zeroengine").addHandler(handler)
     engine, refused = _load_strict_then_not(model, world, stage, save_dir)
     with GatheredParameters([model.adapter.weight]):
         adapter = model.adapter.weight.detach().clone()
-    return refused, adapter, full_state(engine)
+    told = [r for r in records if r.startswith("load_module_strict=False")]
+    return refused, adapter, full_state(engine), told
 
 
 def test_a_non_strict_load_keeps_parameters_the_checkpoint_lacks(tmp_path):
     save_dir = str(tmp_path / "run")
     saved = run_distributed(save_frozen, 2, 2, save_dir)[0]
-    for refused, adapter, loaded in run_distributed(load_with_an_adapter, 2, 2, save_dir):
+    for rank, (refused, adapter, loaded, told) in enumerate(run_distributed(load_with_an_adapter, 2, 2, save_dir)):
         assert "has no values for ['adapter.bias', 'adapter.weight']" in refused, refused
+        # rank 0 says what the non-strict load left alone
+        assert told == ([] if rank else ["load_module_strict=False: 2 entries (adapter.bias, adapter.weight) kept "
+                                         "this model's values (not in the checkpoint); no entries of the checkpoint "
+                                         "skipped (not in this model)"]), told
         assert "load_module_strict=False keeps this model's values" in refused
         assert torch.equal(adapter, torch.full_like(adapter, 0.5))
         assert all(torch.equal(loaded[n], saved[n]) for n in saved)

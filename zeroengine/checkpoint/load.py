@@ -80,7 +80,18 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     if rank == 0:
         get_logger().info(f"loaded checkpoint {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
                           f"rank(s) at ZeRO stage {plan.manifest.data['zero_stage']})")
+        if not strict and (plan.missing or nobody):
+            get_logger().warning(f"load_module_strict=False: {_some(plan.missing)} kept this model's values (not in "
+                                 f"the checkpoint); {_some(nobody)} of the checkpoint skipped (not in this model)")
     return plan.tag_dir, common["client_state"]
+
+
+def _some(names: list[str]) -> str:
+    """``3 entries (a, b, c)``, at most five named."""
+    if not names:
+        return "no entries"
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return f"{len(names)} entr{'y' if len(names) == 1 else 'ies'} ({shown})"
 
 
 def _identity(plan) -> list | None:
@@ -204,6 +215,7 @@ class _Plan:
             raise CheckpointError(f"checkpoint {self.tag_dir} has no values for {sorted(missing)[:8]}"
                                   f"{' ...' if len(missing) > 8 else ''} of this model{hint}")
         self.unclaimed = set(saved) - claimed
+        self.missing = sorted(missing)  # (only when not strict: kept as the model has them)
 
     def _match_groups(self) -> list[int | None]:
         """For each saved param group, the index of this optimizer's group that holds the same parameters
