@@ -1,6 +1,8 @@
-"""Stages 2 and 3 move each gradient into its bucket as soon as autograd has accumulated it: a user's
-post-accumulate-grad hook still sees it (registered before or after initialize), and a backward run
-outside engine.backward() is refused instead of being mixed into the next step."""
+"""The engine around the user's own training code, stages 1-3: a user's post-accumulate-grad hook still sees
+the gradient (stages 2-3 move it into a bucket at once) and a stage-3 module's forward hooks find its weights
+gathered; a backward outside engine.backward() is refused, while gradients one engine's backward leaves on
+another engine's parameters (a GAN) behave as in torch; a failed backward leaves nothing running; a model
+cast after initialize, or compiled at stage 3, is caught with a reason; a zero-size parameter trains."""
 import pytest
 import torch
 import torch.nn as nn
