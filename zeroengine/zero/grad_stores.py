@@ -234,6 +234,7 @@ class PartitionedGradStore:
         # Stage 3 frees everything gathered once another engine's backward through these parameters is over.
         self._on_stray_pass_over = on_stray_pass_over
         self._in_backward = False
+        self._has_strays = False  # gradients left in param.grad by another engine's backward
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
 
     def _hooks_last(self) -> None:
@@ -279,6 +280,7 @@ class PartitionedGradStore:
                 "a backward pass reached ZeRO stage 2/3 parameters outside engine.backward(): call "
                 "engine.backward(loss) instead of loss.backward() (the engine reduces and scales the "
                 "gradients there; this one would be mixed into the next step's)")
+        self._has_strays = True
         if self not in _STRAY_SEEN:
             _STRAY_SEEN.append(self)
 
@@ -290,6 +292,9 @@ class PartitionedGradStore:
     def _take_leftovers(self) -> None:
         """Gradients left in ``param.grad`` by another engine's backward (see :meth:`_outside_backward`) for
         parameters this backward did not reach: into their buckets, as torch would have them in the step."""
+        if not self._has_strays:  # (reading .grad of every parameter costs; only strays leave one behind)
+            return
+        self._has_strays = False
         for index, p in enumerate(self.params):
             if p.grad is not None:
                 bucket = self.layout.buckets[self._bucket_of[index]]
@@ -361,6 +366,7 @@ class PartitionedGradStore:
         self._buffers.clear()
         self._launcher.reset()
         self._in_backward = False
+        self._has_strays = False
         for c in self.chunk_grads:
             c.zero_()
         for p in self.params:
