@@ -140,13 +140,11 @@ def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     except hjson.HjsonDecodeError as error:
         raise _malformed(path, text, error) from None
     except (IndexError, ValueError) as error:  # hjson's own failures on some inputs (an unclosed /* comment)
-        try:
-            json.loads(_as_strict_json(text))
-        except json.JSONDecodeError as strict:
-            unclosed = " (a /* comment is never closed)" if text.count("/*") > text.count("*/") else ""
-            raise ConfigError("", f"{path}, line {strict.lineno}, column {strict.colno}: malformed JSON/HJSON: "
-                                  f"{strict.msg}{unclosed}") from None
-        raise ConfigError("", f"{path}: malformed JSON/HJSON ({type(error).__name__}: {error})") from None
+        strict = _strict_json_account(text)
+        if strict is None:
+            raise ConfigError("", f"{path}: malformed JSON/HJSON ({type(error).__name__}: {error})") from None
+        unclosed = " (a /* comment is never closed)" if text.count("/*") > text.count("*/") else ""
+        raise ConfigError("", f"{path}, {strict[0]}: malformed JSON/HJSON: {strict[1]}{unclosed}") from None
     except _DuplicateKey as error:
         raise ConfigError("", f"{path}: key '{error.args[0]}' appears twice in the same object; "
                               "remove one of them") from None
@@ -165,17 +163,25 @@ def _malformed(path: Path, text: str, error: "hjson.HjsonDecodeError") -> Config
     hjson_at, hjson_says = f"line {error.lineno}, column {error.colno}", str(error).rsplit(": line ", 1)[0]
     if error.pos < len(text.rstrip()):
         return ConfigError("", f"{path}, {hjson_at}: malformed JSON/HJSON: {hjson_says}")
-    try:
-        json.loads(_as_strict_json(text))
-    except json.JSONDecodeError as strict:
-        json_at, json_says = f"line {strict.lineno}, column {strict.colno}", strict.msg
-    else:
+    strict = _strict_json_account(text)
+    if strict is None:
         return ConfigError("", f"{path}, {hjson_at}: malformed HJSON: {hjson_says}")
+    json_at, json_says = strict
     if path.suffix.lower() == ".json":
         return ConfigError("", f"{path}, {json_at}: malformed JSON: {json_says} (read as HJSON: {hjson_at}: "
                                f"{hjson_says})")
     return ConfigError("", f"{path}, {hjson_at}: malformed HJSON: {hjson_says} (read as strict JSON: {json_at}: "
                            f"{json_says})")
+
+
+def _strict_json_account(text: str) -> tuple[str, str] | None:
+    """("line L, column C", message) where JSON's own parser fails on ``text`` read as strict JSON
+    (:func:`_as_strict_json`), or None where it parses."""
+    try:
+        json.loads(_as_strict_json(text))
+    except json.JSONDecodeError as strict:
+        return f"line {strict.lineno}, column {strict.colno}", strict.msg
+    return None
 
 
 def _as_strict_json(text: str) -> str:

@@ -254,12 +254,7 @@ class PartitionedGradStore:
             b = self._bucket_of[index]
             bucket = self.layout.buckets[b]
             if param.grad is not None:
-                slot = self._slot_of[index]
-                start = slot.flat_start - bucket.flat_start
-                # added, not copied: a parameter can be accumulated more than once in one backward, and one
-                # whose bucket was already sent starts a new buffer (see the module's notes)
-                self._buffer(bucket)[start:start + slot.numel].add_(param.grad.reshape(-1))
-                param.grad = None  # the full gradient is dropped as soon as it is in the bucket
+                self._move_into_bucket(index, param)
             if self._launcher.launched(b):
                 return
             if self._launcher.mark_ready(b, index) and self._on_bucket_ready is not None:
@@ -297,11 +292,17 @@ class PartitionedGradStore:
         self._has_strays = False
         for index, p in enumerate(self.params):
             if p.grad is not None:
-                bucket = self.layout.buckets[self._bucket_of[index]]
-                slot = self._slot_of[index]
-                start = slot.flat_start - bucket.flat_start
-                self._buffer(bucket)[start:start + slot.numel].add_(p.grad.reshape(-1))
-                p.grad = None
+                self._move_into_bucket(index, p)
+
+    def _move_into_bucket(self, index: int, param) -> None:
+        """Add ``param.grad`` into its bucket's buffer and drop it (the full gradient is not kept)."""
+        bucket = self.layout.buckets[self._bucket_of[index]]
+        slot = self._slot_of[index]
+        start = slot.flat_start - bucket.flat_start
+        # added, not copied: a parameter can be accumulated more than once in one backward, and one whose
+        # bucket was already sent starts a new buffer (see the module's notes)
+        self._buffer(bucket)[start:start + slot.numel].add_(param.grad.reshape(-1))
+        param.grad = None
 
     def cancel_backward(self) -> None:
         """The backward raised: this engine is no longer in one (its partial buckets go at zero_grad)."""
