@@ -25,20 +25,23 @@ _DEEPSPEED_ONLY = {
                             "train_batch_size / gradient_accumulation_steps (checkpoints load at any batch size)",
     "offload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",
     "reload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",
-    "destroy": "drop the references to the engine (and call torch.distributed.destroy_process_group() at the end)",
     "load_universal_checkpoint": "zeroengine checkpoints load at any world size and stage with load_checkpoint",
     "compile": "torch.compile(model) before initialize works at stages 0-2; at stage 3 it is not supported "
                "(the partitioned parameters cannot be traced)",
 }
-# Casts and moves of the model: the training dtype and device are the config's (fp16 / bf16 sections) and
-# initialize's, and the engine's flat buffers hold the parameters; moving them after initialize would detach
-# the model from those buffers.
-_FIXED_PLACEMENT = ("to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type")
+_PLACEMENT = ("the training dtype comes from the config (fp16 / bf16 sections) and the device from initialize "
+              "(the engine's buffers hold the parameters; do not cast or move engine.module after initialize "
+              "either)")
 
 
-class Engine:
+class Engine(torch.nn.Module):
+    """The model wrapped for ZeRO training; an ``nn.Module`` whose one child is ``module``, as DeepSpeed's
+    engine is (so ``engine.named_parameters()`` names them ``module.<name>``, and tools that look for an
+    ``nn.Module`` find one). Attributes the engine lacks are looked up on the model, as DeepSpeed does."""
+
     def __init__(self, module: torch.nn.Module, zero_optimizer: ZeroOptimizer, config, policy, lr_scheduler=None,
                  local_rank: int = 0):
+        super().__init__()
         self.module = module
         self.optimizer = zero_optimizer
         self.config = config
@@ -60,6 +63,7 @@ class Engine:
         self._timers = StepTimers() if config.wall_clock_breakdown else None
         self._log = get_logger()
         self.monitor = None  # a zeroengine.monitor.StepRecorder, set by initialize() when the config enables one
+        self._destroyed = False
 
     # -- the DeepSpeed-style accessors ---------------------------------------
     @property
@@ -115,45 +119,46 @@ class Engine:
         return [g["betas"] if "betas" in g else g.get("momentum", 0.0) for g in self.optimizer.param_groups]
 
     def __getattr__(self, name: str):
-        # Only reached when normal lookup fails: say why, instead of a bare AttributeError.
-        if name.startswith("_") or name == "module" or "module" not in self.__dict__:
+        # Only reached when normal lookup fails: nn.Module's own (the child ``module``), then the model's
+        # attributes (as DeepSpeed's engine), then a reason instead of a bare AttributeError.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        if name.startswith("__") or name == "module":
             raise AttributeError(name)
         if name in _DEEPSPEED_ONLY:
             raise AttributeError(f"Engine.{name}() (DeepSpeed's) is not supported: {_DEEPSPEED_ONLY[name]}")
-        if name in _FIXED_PLACEMENT:
-            raise AttributeError(f"Engine.{name}() is not supported: the training dtype comes from the config "
-                                 "(fp16 / bf16 sections) and the device from initialize (the engine's buffers hold "
-                                 "the parameters; do not cast or move engine.module after initialize either)")
-        if hasattr(self.module, name):
-            raise AttributeError(f"'Engine' object has no attribute {name!r}: the engine does not forward attribute "
-                                 f"lookups to the model (DeepSpeed's does); use engine.module.{name}")
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None:
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
         raise AttributeError(f"'Engine' object has no attribute {name!r}")
+
+    # -- casts and moves: the config's dtype and initialize's device are fixed --------------------------
+    def to(self, *args, **kwargs) -> "Engine":
+        """Accepted only as a no-op (to the device and dtype the engine already trains in): Lightning and
+        accelerate move the wrapped model to its device as they would any module."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if (device is not None and torch.device(device).type != self.device.type) or (
+                dtype is not None and dtype != self.policy.param_dtype):
+            raise RuntimeError(f"Engine.to({', '.join(map(str, args))}) is not supported: {_PLACEMENT}")
+        return self
+
+    def _refuse_cast(self, *args, **kwargs):
+        raise RuntimeError(f"casting the engine (Engine.half(), .float(), .cuda(), ...) is not supported: {_PLACEMENT}")
+
+    half = float = double = bfloat16 = cuda = cpu = type = _refuse_cast
 
     @property
     def loss_scale(self) -> float:
         return self.optimizer.loss_scale
 
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        return self.train(False)
-
-    def parameters(self, recurse: bool = True):
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
     # -- the loop -------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
     def forward(self, *args, **kwargs):
+        self._refuse_if_destroyed("forward")
         self._time("forward", start=True)
         args = tuple(self.policy.cast_input(a) for a in args)
         kwargs = {k: self.policy.cast_input(v) for k, v in kwargs.items()}
@@ -161,18 +166,23 @@ class Engine:
         self._time("forward", start=False)
         return out
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale in fp16).
+
+        ``scale_wrt_gas=False`` (DeepSpeed's flag) backpropagates ``loss`` undivided: for a caller that
+        already divided it by the accumulation steps (Hugging Face's Trainer does, then passes False).
+        The loss is returned as given either way.
 
         Gradients are then reduced across ranks as the ZeRO stage requires
         (stages 0 and 1: only at the accumulation boundary; stage 2: every
         micro-step, into this rank's gradient shard).
         """
+        self._refuse_if_destroyed("backward")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("engine.backward expects a scalar loss tensor (reduce it with .mean() or .sum() first)")
         self._time("backward", start=True)
         self._meter.add_loss(float(loss.detach()))
-        scaled = loss.float() / self.gradient_accumulation_steps()
+        scaled = loss.float() / self.gradient_accumulation_steps() if scale_wrt_gas else loss.float()
         if self.optimizer.loss_scaler is not None:
             scaled = scaled * self.optimizer.loss_scale
         boundary = self.is_gradient_accumulation_boundary()
@@ -188,8 +198,11 @@ class Engine:
         self._time("backward", start=False)
         return loss
 
-    def step(self) -> None:
-        """Step the optimizer, but only at a gradient-accumulation boundary."""
+    def step(self, lr_kwargs=None) -> None:
+        """Step the optimizer, but only at a gradient-accumulation boundary.
+
+        ``lr_kwargs`` (DeepSpeed's) is passed to the scheduler's ``step`` when given."""
+        self._refuse_if_destroyed("step")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if not self._backward_since_step:
@@ -206,7 +219,7 @@ class Engine:
             self._step_applied = result.applied
             if result.applied:
                 if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
             else:
                 self.skipped_steps += 1
                 if self.global_rank == 0:
@@ -225,8 +238,25 @@ class Engine:
                 self._report_progress()
         self.micro_steps += 1
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
+
+    def destroy(self) -> None:
+        """Release what the engine holds on the model (DeepSpeed's ``destroy``; accelerate's ``free_memory``
+        calls it): work still in flight is drained, the gradient and stage-3 hooks come off the parameters
+        and modules, and the monitor's files are closed. The engine refuses further use; at stage 3 the
+        parameters stay partitioned (take full values with ``GatheredParameters`` first if you need them)."""
+        if self._destroyed:
+            return
+        self.optimizer.zero_grad()
+        self.optimizer.remove_hooks()
+        if self.monitor is not None:
+            self.monitor.close()
+        self._destroyed = True
+
+    def _refuse_if_destroyed(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"engine.{what}() after engine.destroy(): build a new engine with initialize()")
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held by this rank: by kind (params, grads, ...) and by place (cpu, device)."""
@@ -282,6 +312,21 @@ class Engine:
             return save_16bit_model(self, save_dir, save_filename)
         finally:
             self._restart_monitor_window()
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether stage 3 gathers the full weights to save them (``stage3_gather_16bit_weights_on_model_save``);
+        Hugging Face's ``save_model`` asks before calling :meth:`_zero3_consolidated_16bit_state_dict`."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The full model's state_dict in its training dtype on rank 0, None on the others (collective; DeepSpeed's
+        name, which accelerate and Hugging Face call). Parameters are gathered one module at a time."""
+        from zeroengine.checkpoint.model_file import gathered_state_dict
+
+        if self.zero_stage != 3:
+            raise ValueError("_zero3_consolidated_16bit_state_dict needs ZeRO stage 3 (at stages 0-2 every rank "
+                             "holds the full weights: use engine.module.state_dict())")
+        return gathered_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
 
     def _restart_monitor_window(self) -> None:
         if self.monitor is not None:  # a checkpoint's collectives and I/O are not the next step's

@@ -1,6 +1,7 @@
 """Stage 3 misuse fails loudly and says what to do: a partitioned parameter used outside the engine, and
 ranks that run different modules (named by every rank, with or without comm_debug; a rank that leaves the
 pass early is reported within the check's deadline instead of hanging)."""
+import io
 import os
 import time
 from datetime import timedelta
@@ -36,7 +37,9 @@ def _touch_outside(rank, world):
     errors = {
         "matmul": _raises(lambda: x @ head.t()),
         "data": _raises(lambda: head.data.fill_(0)),
-        "state_dict": _raises(lambda: engine.module.state_dict()),
+        # state_dict() lists the partitioned parameters (names, full shapes); saving or reading them refuses.
+        "state_dict": _raises(lambda: torch.save(engine.module.state_dict(), io.BytesIO())),
+        "state_dict values": _raises(lambda: engine.module.state_dict()["head.weight"] * 2),
         "keyword": _raises(lambda: torch.add(torch.zeros(64, 32), other=head)),  # passed by keyword
         "nn.init": _raises(lambda: torch.nn.init.normal_(head, std=0.02)),  # nn.init passes tensor=head
     }
@@ -49,12 +52,34 @@ def _touch_outside(rank, world):
 
 def test_a_partitioned_parameter_used_outside_the_engine_raises_a_clear_error():
     for errors, shape_ok, counted, inside in run_distributed(_touch_outside, 2):
-        for op in ("matmul", "data", "state_dict", "keyword", "nn.init"):
+        for op in ("matmul", "data", "state_dict", "state_dict values", "keyword", "nn.init"):
             msg = errors[op]
             assert "'wte.weight'" in msg and "(64, 32)" in msg, (op, msg)
             assert "GatheredParameters" in msg and "safe_get_full_fp32_param" in msg, (op, msg)
         assert shape_ok and counted  # metadata still describes the full parameter
         assert inside == (3, 64)
+
+
+def _state_dict_at_stage3(rank, world):
+    from safetensors.torch import save_file
+
+    model = make_model()
+    names = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    engine, _, _, _ = zeroengine.initialize(model=model, config=base_config(2, 1, world, 0.0, stage=3))
+    listed = {n: tuple(t.shape) for n, t in engine.module.state_dict().items()}
+    safetensors_error = _raises(lambda: save_file(dict(engine.module.state_dict()), os.devnull))
+    with GatheredParameters(list(engine.module.parameters())):
+        full = {n: tuple(t.shape) for n, t in engine.module.state_dict().items() if t.numel() == 0}
+    return names == listed, safetensors_error, full
+
+
+def test_state_dict_at_stage3_lists_every_weight_and_never_saves_an_empty_one():
+    """What Hugging Face's from_pretrained needs (the names and full shapes of model.state_dict()), without
+    DeepSpeed's empty placeholders reaching a file: safetensors, like torch.save, is refused with the way out."""
+    for same_names_and_shapes, error, empty_inside in run_distributed(_state_dict_at_stage3, 2):
+        assert same_names_and_shapes
+        assert "holds no values here" in error and "stage3_gather_16bit_weights_on_model_save" in error, error
+        assert empty_inside == {}  # inside GatheredParameters the state_dict holds the full values
 
 
 # -- ranks taking different code paths ------------------------------------------------------

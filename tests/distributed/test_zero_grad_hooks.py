@@ -94,7 +94,7 @@ def _cast_after_initialize(rank, world, stage):
     engine, _, _, _ = zeroengine.initialize(model=_model(), config=base_config(3, 1, world, 0.0, stage=stage))
     try:
         engine.half()
-    except AttributeError as err:
+    except RuntimeError as err:
         hint = str(err)
     engine.module.double()  # what that hint used to suggest: the model leaves the engine's buffers
     x, y = _batch(rank)

@@ -248,8 +248,14 @@ def test_deepspeed_engine_methods_it_lacks_and_model_attributes_say_what_to_use(
     assert [tuple(b) for b in adam.get_mom()] == [(0.9, 0.999)]
     with pytest.raises(AttributeError, match="no_sync.*not supported.*set_gradient_accumulation_boundary"):
         engine.no_sync()
-    with pytest.raises(AttributeError, match="does not forward attribute lookups to the model.*engine.module.append"):
-        engine.append  # the model's (nn.Sequential's) attribute, asked of the engine
+    # An nn.Module wrapping the model, as DeepSpeed's engine: the model's attributes are found through it.
+    assert isinstance(engine, torch.nn.Module) and engine.append.__self__ is engine.module
+    assert [n for n, _ in engine.named_parameters()] == ["module." + n for n, _ in engine.module.named_parameters()]
+    with pytest.raises(RuntimeError, match="the training dtype comes from the config"):
+        engine.half()
+    assert engine.to(engine.device) is engine  # moving to where it already is: a no-op (Lightning does it)
+    with pytest.raises(RuntimeError, match="the training dtype comes from the config"):
+        engine.to(torch.float64)
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         engine.no_such_thing
     assert not hasattr(engine, "offload_states")  # hasattr still works: the errors are AttributeErrors

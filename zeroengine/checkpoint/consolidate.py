@@ -20,6 +20,13 @@ from . import manifest as mf
 from .files import CheckpointError, load_tensors, save_tensors
 
 
+def load_client_state(checkpoint_dir: str, tag: str | None = None) -> dict:
+    """The ``client_state`` saved with a checkpoint, read without a training world (for a Lightning
+    ``trainer.test(ckpt_path=...)`` that builds no engine)."""
+    manifest = mf.Manifest.read(_tag_dir(checkpoint_dir, tag))
+    return load_tensors(manifest.verify_file(mf.COMMON))["client_state"]
+
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False, lazy_mode: bool = False, *,
                                              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -13,22 +13,33 @@ from .agreement import exchange
 from .files import save_tensors
 
 
-def gathered_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def gathered_state_dict(module: torch.nn.Module, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
     """The module's full state_dict on rank 0 (None elsewhere); stage-3 parameters are gathered
-    one module at a time, so no rank ever holds more than one module's full parameters beyond the result."""
+    one module at a time, so no rank ever holds more than one module's full parameters beyond the result.
+    A tied parameter is one tensor under each of its names (as in ``state_dict()``), so savers that
+    de-duplicate shared tensors (safetensors, Hugging Face) see the tie. ``exclude_frozen`` leaves out
+    parameters that do not require grad."""
     out: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    frozen: set[str] = set()
     rank0 = comm.get_rank() == 0
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules(remove_duplicate=False):
         own = list(sub.parameters(recurse=False))
         with GatheredParameters(own):
             if rank0:
                 for name, t in sub.named_parameters(recurse=False):
-                    out[f"{prefix}.{name}" if prefix else name] = t.detach().clone()
+                    key = f"{prefix}.{name}" if prefix else name
+                    if id(t) not in copies:
+                        copies[id(t)] = t.detach().clone()
+                    out[key] = copies[id(t)]
+                    if not t.requires_grad:
+                        frozen.add(key)
     if not rank0:
         return None
-    # Tied parameters appear under each module that registers them; what is left are buffers.
+    # What is left are buffers.
     full = module.state_dict(keep_vars=True)  # keep_vars: names and order without touching partitioned params
-    return {name: out[name] if name in out else value.detach().clone() for name, value in full.items()}
+    return {name: out[name] if name in out else value.detach().clone() for name, value in full.items()
+            if not (exclude_frozen and name in frozen)}
 
 
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

@@ -6,8 +6,10 @@ a world of one, so a plain ``python train.py`` works unchanged.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -24,6 +26,44 @@ class _State:
 
 
 state = _State()
+
+
+class _ExitTeardown:
+    """Tears down, at interpreter exit, a process group zeroengine made and the script left standing.
+
+    Scripts that never destroy their group (Hugging Face's Trainer, accelerate's loops, most DeepSpeed
+    scripts) hit gloo's teardown race at exit: a rank leaving while a peer still finishes its last collective
+    aborts the peer ("terminate called without an active exception"). :func:`shutdown`'s meeting avoids it.
+    A rank leaving on an uncaught exception skips the meeting (its peers may be blocked in a collective it
+    will never join, and the launcher is about to stop them): it must not wait out a deadline first."""
+
+    def __init__(self):
+        self.registered = False
+        self.failing = False
+
+    def register(self) -> None:
+        if self.registered:
+            return
+        self.registered = True
+        previous = sys.excepthook
+
+        def note_failure(*exc_info):
+            self.failing = True
+            previous(*exc_info)
+
+        sys.excepthook = note_failure
+        atexit.register(self.run)
+
+    def run(self) -> None:
+        if self.failing or not dist.is_initialized():
+            return
+        try:
+            shutdown()
+        except Exception:  # at exit, nothing is left to report to
+            pass
+
+
+exit_teardown = _ExitTeardown()
 
 
 def default_backend() -> str:
@@ -68,6 +108,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         world_size=world,
         timeout=timeout,
     )
+    exit_teardown.register()
 
 
 def shutdown() -> None:

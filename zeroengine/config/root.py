@@ -38,7 +38,8 @@ class ZeroEngineConfig(ConfigModel):
     gradient_clipping: NonNegativeFloat = Field(
         0.0, description="Clip the global gradient norm to this value; 0 disables clipping.")
     steps_per_print: Optional[NonNegativeInt] = Field(
-        10, description="Log progress every this many optimizer steps; null or 0: never (DeepSpeed's default).")
+        10, description="Log progress every this many optimizer steps; null, 0 or infinity: never (DeepSpeed's "
+                   "default).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward and step (synchronising CUDA "
                                                           "around each), and log their mean per optimizer step "
                                                           "every steps_per_print steps.")
@@ -90,6 +91,12 @@ class ZeroEngineConfig(ConfigModel):
         except ValidationError as error:
             raise ConfigError.from_problems(problems_from(error, type(self))) from None
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_is_never(cls, value: Any) -> Any:
+        # accelerate writes float("inf") (DeepSpeed's "never print"); JSON's Infinity reads the same.
+        return None if isinstance(value, float) and value == float("inf") else value
+
     @field_validator("log_level", "communication_data_type", mode="before")
     @classmethod
     def _any_case(cls, value: Any) -> Any:
@@ -121,3 +128,21 @@ class ZeroEngineConfig(ConfigModel):
     def to_dict(self) -> dict:
         """The resolved config as plain JSON data; loads back into an equal config."""
         return self.model_dump(mode="json")
+
+    # Read as a dict too, as DeepSpeed's ``engine.config`` is: transformers asks
+    # ``engine.config.get("zero_optimization", {}).get("stage")``. The values are the resolved ones
+    # (``to_dict()``: "auto" filled in, every key present with its default), never the raw input.
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in type(self).model_fields
+
+    def keys(self):
+        return self.to_dict().keys()
+
+    def items(self):
+        return self.to_dict().items()

@@ -15,10 +15,13 @@ itself accepts, since refusing them would only make users delete lines.
 """
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 from .errors import ConfigError, join_path
+
+logger = logging.getLogger(__name__)
 
 
 class Neutral(NamedTuple):
@@ -134,7 +137,9 @@ def _weight_quantization_is_off(value: Any) -> bool:
 
 
 # DeepSpeed's async-I/O settings: read only by NVMe offload, which zeroengine refuses, so inert at any value.
-_AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
+# thread_count: DeepSpeed's older name for intra_op_parallelism, which Lightning's presets still write.
+_AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events",
+             "use_gds")
 
 # DeepSpeed's pipeline defaults (runtime/config.py get_pipeline_config); read only for a PipelineModule.
 _PIPELINE_DEFAULTS = {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
@@ -362,8 +367,33 @@ def unsupported_keys_at(section: str) -> List[str]:
     return [entry.key for entry in UNSUPPORTED.get(section, ())]
 
 
+# NVMe offload's own keys. They configure nothing while the offload device is not NVMe, so they are inert
+# then at any value: Lightning's presets write them with "device": "cpu" (nvme_path "/local_nvme", ...).
+_NVME_ONLY = {
+    "zero_optimization.offload_optimizer": ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write",
+                                            "fast_init"),
+    "zero_optimization.offload_param": ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"),
+}
+
+
+def drop_inert_nvme_keys(data: Dict[str, Any]) -> None:
+    """Remove NVMe-only offload keys from offload blocks whose device is not NVMe, saying so in one line."""
+    for section, keys in _NVME_ONLY.items():
+        block = _find(data, section)
+        if not isinstance(block, dict) or block.get("device") == "nvme":
+            continue  # (device "nvme" itself is refused by the offload section, naming the key)
+        present = [key for key in keys if key in block]
+        defaults = {entry.key: entry.neutral for entry in UNSUPPORTED[section]}
+        if any(not defaults[key].accepts(block[key]) for key in present):
+            logger.info("config: %s.{%s} ignored: they configure NVMe offload, and the device is %r",
+                        section, ", ".join(present), block.get("device"))
+        for key in present:
+            del block[key]
+
+
 def drop_unsupported_features(data: Dict[str, Any]) -> None:
     """Remove neutral unimplemented-feature keys from ``data``; raise for any that is switched on."""
+    drop_inert_nvme_keys(data)
     for section, entries in UNSUPPORTED.items():
         block = _find(data, section)
         if not isinstance(block, dict):

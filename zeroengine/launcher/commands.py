@@ -38,9 +38,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from .hostfile import format_layout, is_uniform
 
 ENV_FILE_NAME = ".zeroengine_env"
-# Exported to remote nodes besides the env-file entries: the import path and
+# Exported to remote nodes besides the env-file entries: the import path, the --as_deepspeed switch and
 # the socket/transport settings that multi-node collectives commonly need.
-EXPORT_NAMES = ("PYTHONPATH",)
+EXPORT_NAMES = ("PYTHONPATH", "ZEROENGINE_AS_DEEPSPEED")
 EXPORT_PREFIXES = ("NCCL_", "GLOO_")
 SSH_OPTIONS = ("-o", "BatchMode=yes")
 PDSH_FANOUT = 1024
@@ -184,7 +184,7 @@ def expand_exports_here(exports: Mapping[str, str], environ: Mapping[str, str]) 
 
 def collect_exports(environ: Mapping[str, str],
                     env_files: Sequence[Tuple[str, str]] = ()) -> Dict[str, str]:
-    """Variables to set on remote nodes: PYTHONPATH, NCCL_*/GLOO_*, then the
+    """Variables to set on remote nodes: PYTHONPATH, ZEROENGINE_AS_DEEPSPEED, NCCL_*/GLOO_*, then the
     entries of each ``(path, text)`` env file in order (later files win)."""
     exports = {n: environ[n] for n in EXPORT_NAMES if n in environ}
     for name in sorted(environ):

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grace_period", type=float, default=DEFAULT_GRACE_PERIOD, metavar="SECONDS",
                      help="after a failure or a signal, how long the other ranks get "
                           "to exit before SIGKILL (default %(default)s)")
+    run.add_argument("--as_deepspeed", action="store_true",
+                     help="run the script with ZEROENGINE_AS_DEEPSPEED=1: its 'import deepspeed' (and "
+                          "transformers' and accelerate's) gets zeroengine (docs/integrations.md)")
     run.add_argument("--dry_run", action="store_true",
                      help="print the commands that would run, and exit")
     internal = p.add_argument_group("internal (written by the ssh/pdsh launchers)")
@@ -300,6 +303,19 @@ def _print_commands(commands: List[LaunchCommand]) -> None:
         print(f"{command.name}: {env + ' ' if env else ''}{shlex.join(command.argv)}")
 
 
+def _switch_on_as_deepspeed() -> Optional[str]:
+    """--as_deepspeed: the ranks inherit ZEROENGINE_AS_DEEPSPEED=1 (remote nodes get it exported with the
+    job). The variable acts through the start-up hook pip installs; without it nothing would switch."""
+    from zeroengine.integrations import as_deepspeed
+
+    if as_deepspeed.startup_hook_installed() is None:
+        return ("--as_deepspeed: zeroengine's start-up hook (zeroengine_as_deepspeed.pth) is not in this "
+                "Python's site-packages, so the variable would switch nothing; reinstall zeroengine "
+                "(pip install -e . or bash scripts/install.sh)")
+    os.environ[as_deepspeed.ENV_VAR] = "1"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the launcher; returns the exit code (0 only if every rank succeeded)."""
     parser = build_parser()
@@ -307,6 +323,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed
         return e.code if isinstance(e.code, int) else 2
+    if args.as_deepspeed:
+        error = _switch_on_as_deepspeed()
+        if error:
+            print(f"zeroengine: error: {error}", file=sys.stderr)
+            return 2
     try:
         what, job = plan(args)
         if isinstance(what, NodePlan):

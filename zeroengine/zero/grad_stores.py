@@ -130,6 +130,9 @@ class FullGradStore:
         # "Note: a gradient accumulated more than once"); between boundaries nothing is sent.
         self._reduced = False
 
+    def remove_hooks(self) -> None:
+        """Nothing to take off: stage 1's gradients land in views of its flat buffer, with no hooks."""
+
     def _grad_view(self, slot) -> torch.Tensor:
         p = self.flat_params.params[slot.index]
         return self.flat_grads[slot.flat_start:slot.flat_end].view(p.shape)
@@ -236,6 +239,11 @@ class PartitionedGradStore:
         self._in_backward = False
         self._has_strays = False  # gradients left in param.grad by another engine's backward
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _hooks_last(self) -> None:
         """Move this store's hook behind any post-accumulate-grad hook registered after it (a user's, after

@@ -127,6 +127,10 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError
 
+    def remove_hooks(self) -> None:
+        """Take the strategy's hooks off the model's parameters and modules (engine.destroy()); stages 0-1
+        register none."""
+
     def memory_tally(self) -> MemoryTally:
         raise NotImplementedError
 

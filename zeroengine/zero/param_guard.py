@@ -21,6 +21,18 @@ when it is released and back to ``nn.Parameter`` when it is gathered, so
 The placeholder stays 0-element on purpose: C++ code that bypasses Python
 (autograd unpacking a saved parameter that was released too early) fails with
 a shape error instead of computing with stand-in values.
+
+Note: what ``state_dict()`` gives at stage 3.
+``module.state_dict()`` detaches every parameter. Refusing that ``detach`` broke
+code that only wants the names and shapes (Hugging Face's ``from_pretrained``
+lists ``model.state_dict().keys()`` before loading under ZeRO-3), while DeepSpeed's
+answer, its empty placeholders, is how ZeRO-3 users end up saving empty weights.
+So ``detach()`` of a partitioned parameter gives a :class:`PartitionedPlaceholder`:
+it answers for the full parameter's name, shape, dtype and device, and refuses
+everything that reads or writes values, ``data_ptr``/``untyped_storage`` (what
+safetensors reads) and pickling (``torch.save``) included. A state_dict taken
+outside ``GatheredParameters`` can be listed and compared by shape, and cannot be
+saved: no path writes an empty weight silently.
 """
 from __future__ import annotations
 
@@ -107,6 +119,8 @@ class PartitionedParameter(torch.nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             if target is None or name in _PASS_THROUGH or name == "data.__set__":
                 return func(*args, **kwargs)
+            if name == "detach" and target is args[0]:
+                return _placeholder(target, func(*args, **kwargs))
             if name in _CONVERSIONS and target is args[0]:
                 converted = func(*args, **kwargs)
                 if converted is target:
@@ -118,6 +132,61 @@ class PartitionedParameter(torch.nn.Parameter):
 
     def __repr__(self):
         return describe(self)
+
+
+# What a placeholder answers itself: metadata that reads no values (not data_ptr, storage or strides, which
+# let native code such as safetensors' writer read memory the placeholder does not have).
+_PLACEHOLDER_METADATA = frozenset({
+    "dtype.__get__", "device.__get__", "layout.__get__", "requires_grad.__get__", "is_leaf.__get__",
+    "grad.__get__", "grad_fn.__get__", "is_floating_point", "is_complex", "element_size", "is_cuda.__get__",
+    "is_cpu.__get__", "is_meta.__get__", "is_sparse.__get__", "is_quantized.__get__", "is_nested.__get__",
+    "__hash__", "name.__get__", "names.__get__", "get_device", "_is_view",
+})
+
+
+class PartitionedPlaceholder(torch.Tensor):
+    """``detach()`` of a partitioned parameter, as ``state_dict()`` lists it: the full parameter's metadata and
+    no values (see "what state_dict() gives at stage 3")."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        target = args[0] if args and isinstance(args[0], PartitionedPlaceholder) else None
+        if target is not None:
+            answer = _FULL_METADATA.get(name)
+            if answer is not None:
+                return answer(target._ze, *args[1:], **kwargs)
+            if name == "__repr__" or name == "__format__":
+                return describe(target)
+            if name in _PLACEHOLDER_METADATA:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+        placeholder = target if target is not None else next(
+            a for a in op_arguments(args, kwargs) if isinstance(a, PartitionedPlaceholder))
+        raise PartitionedParameterError(_placeholder_message(placeholder, name))
+
+    def __repr__(self):
+        return describe(self)
+
+
+def _placeholder(target: "PartitionedParameter", detached: torch.Tensor) -> PartitionedPlaceholder:
+    with torch._C.DisableTorchFunctionSubclass():
+        placeholder = detached.as_subclass(PartitionedPlaceholder)
+    placeholder.__dict__["_ze"] = target._ze
+    return placeholder
+
+
+def _placeholder_message(p, op: str) -> str:
+    info = p._ze
+    return (f"'{op}' on {info.name!r} (shape {tuple(info.shape)}) as detached from its parameter (a state_dict() "
+            f"entry, say), which ZeRO stage 3 partitions across ranks: it holds no values here, so nothing can be "
+            f"read or saved from it (an empty weight is never written). For the full weights: "
+            f"engine.save_16bit_model() or Hugging Face's trainer.save_model() with "
+            f"zero_optimization.stage3_gather_16bit_weights_on_model_save=true, engine.save_checkpoint() then "
+            f"ze_to_fp32, take the state_dict inside `with zeroengine.zero.GatheredParameters(list(model."
+            f"parameters())):` (collective: every rank enters it), or use "
+            f"zeroengine.zero.safe_get_full_fp32_param(param) for one parameter.")
 
 
 def op_arguments(args, kwargs):
@@ -133,7 +202,7 @@ def _first_partitioned(args, kwargs):
 
 def describe(p) -> str:
     info = p._ze
-    return (f"PartitionedParameter({info.name}, shape={tuple(info.shape)}, dtype={p.dtype}; partitioned across "
+    return (f"{type(p).__name__}({info.name}, shape={tuple(info.shape)}, dtype={p.dtype}; partitioned across "
             f"ranks: read it inside zeroengine.zero.GatheredParameters)")
 
 

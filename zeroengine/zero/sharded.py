@@ -219,6 +219,9 @@ class ShardedOptimizer(ZeroOptimizer):
         written, self._written = self._written, set()
         self.flat_params.after_step([None if b in written else chunk for b, chunk in enumerate(self.chunks)])
 
+    def remove_hooks(self) -> None:
+        self.grad_store.remove_hooks()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_store.zero()
         for pieces in self.pieces:

@@ -80,6 +80,11 @@ class Stage3Optimizer(ShardedOptimizer):
                          trace_recordings=trace.recordings, trace_divergences=trace.divergences)
         return stats
 
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        if self.hooks is not None:
+            self.hooks.remove()
+
     def reset_fetch_stats(self) -> None:
         self.flat_params.stats.reset()
 

@@ -120,6 +120,14 @@ class Stage3Hooks:
         self.handles.insert(0, self._begin_handle)
         _LIVE.add(self)
 
+    def remove(self) -> None:
+        """Take every hook off the model (engine.destroy()); what is gathered is released first."""
+        self.release_all()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        _LIVE.discard(self)
+
     def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
         label = name or type(m).__name__
         self._hooked.add(id(m))

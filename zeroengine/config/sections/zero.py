@@ -50,9 +50,10 @@ class ZeroConfig(ConfigModel):
         None, description="Keep optimizer states on CPU and step there (stages 1-3).")
     offload_param: Optional[OffloadParamConfig] = Field(
         None, description="Keep parameter shards on CPU (stage 3 only).")
-    sub_group_size: PositiveInt = Field(1_000_000_000, description="Accepted, no effect: zeroengine steps the "
-                                                                   "optimizer one reduce bucket at a time, which "
-                                                                   "already bounds the step's temporary memory.")
+    sub_group_size: NonNegativeInt = Field(1_000_000_000, description="Accepted, no effect: zeroengine steps the "
+                                                                      "optimizer one reduce bucket at a time, which "
+                                                                      "already bounds the step's temporary memory "
+                                                                      "(0, which axolotl's configs write, too).")
     stage3_prefetch_bucket_size: NonNegativeInt = Field(
         50_000_000, description=_STAGE3 + "Elements of parameters fetched ahead of use. "
                                           "'auto': 0.9 * hidden_size squared.")

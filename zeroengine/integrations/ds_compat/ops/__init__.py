@@ -1,0 +1,2 @@
+"""``deepspeed.ops``: the optimizers integrations import (``ops.adam``)."""
+from . import adam  # noqa: F401
