@@ -26,8 +26,6 @@ _DEEPSPEED_ONLY = {
     "offload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",
     "reload_states": "offload is configured once, with zero_optimization.offload_optimizer / offload_param",
     "load_universal_checkpoint": "zeroengine checkpoints load at any world size and stage with load_checkpoint",
-    "compile": "torch.compile(model) before initialize works at stages 0-2; at stage 3 it is not supported "
-               "(the partitioned parameters cannot be traced)",
 }
 _PLACEMENT = ("the training dtype comes from the config (fp16 / bf16 sections) and the device from initialize "
               "(the engine's buffers hold the parameters; do not cast or move engine.module after initialize "
@@ -151,6 +149,17 @@ class Engine(torch.nn.Module):
         raise RuntimeError(f"casting the engine (Engine.half(), .float(), .cuda(), ...) is not supported: {_PLACEMENT}")
 
     half = float = double = bfloat16 = cuda = cpu = type = _refuse_cast
+
+    # nn.Module methods that would act on the engine behind its buffers' back: refused, with the way that works.
+    def compile(self, *args, **kwargs):
+        raise RuntimeError("engine.compile() is not supported: torch.compile(model) before initialize works at "
+                           "stages 0-2; at stage 3 it is not supported (the partitioned parameters cannot be traced)")
+
+    def load_state_dict(self, *args, **kwargs):
+        raise RuntimeError("engine.load_state_dict() is not supported: the optimizer's master copies would keep the "
+                           "old values; use engine.load_checkpoint(), or load inside "
+                           "`with zeroengine.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):` "
+                           "with engine.module.load_state_dict(...) on rank 0")
 
     @property
     def loss_scale(self) -> float:

@@ -65,9 +65,21 @@ def collect() -> dict:
         "compiler": shutil.which("c++") or shutil.which("g++"),
         "nvcc": shutil.which("nvcc"),
         "pydantic": _version("pydantic"),
+        "as_deepspeed": as_deepspeed_status(),
         "ops": op_statuses(),
     }
     return report
+
+
+def as_deepspeed_status() -> dict:
+    """The ZEROENGINE_AS_DEEPSPEED switch: its start-up hook, whether this process asked for it and has it on,
+    and the versions of the libraries it serves (docs/integrations.md)."""
+    from zeroengine.integrations import as_deepspeed
+
+    return {"hook": as_deepspeed.startup_hook_installed(), "requested": as_deepspeed.requested(),
+            "active": as_deepspeed.active(), "reports_version": as_deepspeed.DEEPSPEED_VERSION,
+            "transformers": _version("transformers"), "accelerate": _version("accelerate"),
+            "pytorch_lightning": _version("pytorch_lightning")}
 
 
 def op_statuses() -> list[dict]:
@@ -77,6 +89,14 @@ def op_statuses() -> list[dict]:
         return [{"name": "<registry>", "compatible": False, "reason": f"op registry unavailable: {exc}",
                  "built": False, "cache_path": None}]
     return [b.status() for b in all_builders()]
+
+
+def _switch_line(switch: dict, color: bool) -> str:
+    if switch["hook"] is None:
+        return (f"{_ok(False, color)} start-up hook zeroengine_as_deepspeed.pth missing: ZEROENGINE_AS_DEEPSPEED=1 "
+                "switches nothing (reinstall zeroengine)")
+    state = "on in this process" if switch["active"] else "off (set ZEROENGINE_AS_DEEPSPEED=1 or zeroengine --as_deepspeed)"
+    return f"{_ok(True, color)} {state}; reports deepspeed {switch['reports_version']}"
 
 
 def render(report: dict, color: bool) -> str:
@@ -96,6 +116,9 @@ def render(report: dict, color: bool) -> str:
         ("ninja", _ok(report["ninja"], color)),
         ("C++ compiler", report["compiler"] or "not found"),
         ("nvcc", report["nvcc"] or "not found"),
+        ("as_deepspeed", _switch_line(report["as_deepspeed"], color)),
+        ("integrations", ", ".join(f"{name} {report['as_deepspeed'][name]}"
+                                   for name in ("transformers", "accelerate", "pytorch_lightning"))),
     ]
     width = max(len(k) for k, _ in rows)
     lines += [f"{k.ljust(width)} : {v}" for k, v in rows]

@@ -59,3 +59,11 @@ def test_coloured_op_table_lines_up_like_the_plain_one():
     coloured = env_report.render(report, color=True)
     assert "\x1b[" in coloured
     assert re.sub(r"\x1b\[[0-9;]*m", "", coloured) == plain
+
+
+def test_the_report_says_whether_the_as_deepspeed_switch_can_work(capsys):
+    report = env_report.collect()["as_deepspeed"]
+    assert report["hook"] is not None and report["hook"].endswith("zeroengine_as_deepspeed.pth")
+    assert report["requested"] is report["active"] is False  # (the tests run without the switch)
+    missing = env_report._switch_line(dict(report, hook=None), color=False)
+    assert missing.startswith("[NO]") and "switches nothing" in missing

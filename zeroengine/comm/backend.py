@@ -29,7 +29,7 @@ state = _State()
 
 
 class _ExitTeardown:
-    """Tears down, at interpreter exit, a process group zeroengine made and the script left standing.
+    """Tears down, at interpreter exit, the process group zeroengine used and the script left standing.
 
     Scripts that never destroy their group (Hugging Face's Trainer, accelerate's loops, most DeepSpeed
     scripts) hit gloo's teardown race at exit: a rank leaving while a peer still finishes its last collective
@@ -77,12 +77,29 @@ def _free_port() -> int:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None, *,
-                     dist_backend: str | None = None) -> None:
+                     dist_backend: str | None = None, timeout: timedelta | float | None = None,
+                     distributed_port: int | None = None, auto_mpi_discovery: bool = True,
+                     init_method: str | None = None, rank: int = -1, world_size: int = -1, verbose: bool = True,
+                     dist_init_required: bool | None = None, config=None) -> None:
     """Initialise torch.distributed once, from the launcher's environment or as a world of 1.
 
-    ``dist_backend`` is DeepSpeed's name for ``backend``."""
-    if dist.is_initialized():
+    DeepSpeed's keywords: ``dist_backend`` is ``backend``; ``timeout`` (a timedelta or seconds) is
+    ``timeout_s``; ``distributed_port`` is the rendezvous port where the environment names none;
+    ``auto_mpi_discovery`` is always on (SLURM and Open MPI variables are read). ``verbose``,
+    ``dist_init_required`` and ``config`` are accepted and change nothing. ``init_method``, ``rank`` and
+    ``world_size`` are refused: the world is read from the environment, so that every rank agrees on it."""
+    if init_method is not None or rank not in (-1, None) or world_size not in (-1, None):
+        raise ValueError("init_distributed(init_method=/rank=/world_size=) is not supported: zeroengine reads the "
+                         "world from the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    if dist_init_required is False:
         return
+    if timeout is not None:
+        timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if dist.is_initialized():  # made by the script or its framework (Lightning, accelerate): zeroengine uses it,
+        exit_teardown.register()  # so it leaves it standing no less safely than one it made
+        return
+    if distributed_port is not None and "RANK" in os.environ:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     from zeroengine.launcher.rank_env import detect_rank_env
 
     env = detect_rank_env()

@@ -122,6 +122,14 @@ def _reject_duplicates(pairs: list) -> dict:
     return result
 
 
+def _plain_json(text: str) -> Any:
+    """``text`` read by Python's JSON parser, or None where it is not plain JSON (comments, HJSON)."""
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates)
+    except json.JSONDecodeError:
+        return None
+
+
 def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     """Parse a JSON or HJSON config file into a dict; ConfigError (with line and column) if malformed."""
     path = Path(path)
@@ -136,7 +144,9 @@ def read_config_file(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
         raise ConfigError("", f"config file {path} is empty (nothing but whitespace and comments): it must hold "
                               "a JSON object ({...})")
     try:
-        data = hjson.loads(text, object_pairs_hook=_reject_duplicates)
+        data = _plain_json(text)  # Python's JSON (DeepSpeed's reader): Infinity too, which hjson reads as a key
+        if data is None:
+            data = hjson.loads(text, object_pairs_hook=_reject_duplicates)
     except hjson.HjsonDecodeError as error:
         raise _malformed(path, text, error) from None
     except (IndexError, ValueError) as error:  # hjson's own failures on some inputs (an unclosed /* comment)

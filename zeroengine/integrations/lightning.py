@@ -88,13 +88,14 @@ class ZeroEngineStrategy(DDPStrategy):
     """Train a LightningModule with zeroengine at ZeRO ``stage`` 0-3 (see the module docstring).
 
     ``config``: a zeroengine/DeepSpeed config (dict or JSON/HJSON path) for everything Lightning does not set
-    itself: ZeRO options, offload, bf16/fp16 details, activation checkpointing, monitors. ``stage`` fills in
-    ``zero_optimization.stage`` where the config does not give it; ``offload_optimizer`` / ``offload_parameters``
-    add CPU offload sections."""
+    itself: ZeRO options, offload, bf16/fp16 details, activation checkpointing, monitors. ``stage`` is
+    ``zero_optimization.stage`` (given in both places, they must agree; given in neither, 2);
+    ``offload_optimizer`` / ``offload_parameters`` add CPU offload sections."""
 
     strategy_name = "zeroengine"
 
-    def __init__(self, stage: int = 2, config: Optional[dict | str | os.PathLike] = None, offload_optimizer: bool = False,
+    def __init__(self, stage: Optional[int] = None, config: Optional[dict | str | os.PathLike] = None,
+                 offload_optimizer: bool = False,
                  offload_parameters: bool = False, **kwargs: Any):
         self._ze_precision: Optional[ZeroEnginePrecision] = None
         super().__init__(**kwargs)
@@ -221,7 +222,7 @@ class ZeroEngineStrategy(DDPStrategy):
                           override=True)
 
 
-def _base_config(stage: int, config, offload_optimizer: bool, offload_parameters: bool) -> dict:
+def _base_config(stage: Optional[int], config, offload_optimizer: bool, offload_parameters: bool) -> dict:
     if isinstance(config, (str, os.PathLike)):
         config = read_config_file(os.fspath(config))
     config = copy.deepcopy(config) if config is not None else {}
@@ -232,9 +233,10 @@ def _base_config(stage: int, config, offload_optimizer: bool, offload_parameters
             raise MisconfigurationException(f"ZeroEngineStrategy: remove '{key}' from the config; with Lightning it "
                                             f"comes from {owner}")
     zero = config.setdefault("zero_optimization", {})
-    if zero.setdefault("stage", stage) != stage and stage != 2:  # 2 is the default: a config's stage wins over it
+    if stage is not None and zero.setdefault("stage", stage) != stage:
         raise MisconfigurationException(f"ZeroEngineStrategy(stage={stage}) and the config's zero_optimization.stage "
                                         f"({zero['stage']}) disagree")
+    zero.setdefault("stage", 2)
     if offload_optimizer:
         zero.setdefault("offload_optimizer", {"device": "cpu"})
     if offload_parameters:

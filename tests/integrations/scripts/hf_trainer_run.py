@@ -51,6 +51,9 @@ def main():
     parser.add_argument("--resume", default=None, help="a checkpoint-N folder to resume from")
     parser.add_argument("--grad_accum", type=int, default=2)
     parser.add_argument("--micro_batch", type=int, default=2)
+    parser.add_argument("--trainer_optimizer", action="store_true",
+                        help="the plain run uses the Trainer's own AdamW and linear schedule (the reference for a "
+                             "config without optimizer and scheduler sections)")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -65,7 +68,7 @@ def main():
     )
     data = Tokens(n=64, length=16, vocab=64)
     optimizers = (None, None)
-    if args.deepspeed is None:  # the plain reference: torch's AdamW and the templates' schedule
+    if args.deepspeed is None and not args.trainer_optimizer:  # the reference for the templates' AdamW and WarmupLR
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         optimizers = (adamw, deepspeed_warmup_lr(adamw))
     trainer = Trainer(model=model, args=training, train_dataset=data, optimizers=optimizers)

@@ -40,7 +40,7 @@ def main():
     parser.add_argument("--deepspeed", required=True)
     args = parser.parse_args()
 
-    training = TrainingArguments(output_dir=args.out_dir, per_device_train_batch_size=2, max_steps=2,
+    training = TrainingArguments(output_dir=args.out_dir, per_device_train_batch_size=2, max_steps=4,
                                  learning_rate=1e-2, report_to=[], deepspeed=args.deepspeed, disable_tqdm=True,
                                  save_strategy="no", seed=0)
     keep = HfDeepSpeedConfig(training.hf_deepspeed_config.config)  # noqa: F841 (zero.Init while it lives)

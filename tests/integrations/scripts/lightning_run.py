@@ -14,6 +14,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import zeroengine.integrations.lightning  # noqa: F401 (registers the zeroengine strategy names)
+from zeroengine.zero import GatheredParameters
 
 warnings.filterwarnings("ignore")
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
@@ -33,6 +34,10 @@ class Regression(pl.LightningModule):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
+    def test_step(self, batch, index):
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
     def configure_optimizers(self):
         sgd = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
         return {"optimizer": sgd,
@@ -47,6 +52,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--ckpt_dir", default=None, help="save a checkpoint every 3 optimizer steps here")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    parser.add_argument("--test_only", default=None, help="no fit: trainer.test from this checkpoint")
     parser.add_argument("--report", required=True)
     args = parser.parse_args()
 
@@ -60,23 +66,17 @@ def main():
     trainer = pl.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=args.devices, strategy=args.strategy,
                          accumulate_grad_batches=args.accumulate, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, enable_checkpointing=bool(callbacks))
-    trainer.fit(model, DataLoader(data, batch_size=2), ckpt_path=args.resume)
-    with torch.no_grad():
-        if getattr(trainer.strategy, "strategy_name", None) == "zeroengine" and zeroengine_stage(trainer) == 3:
-            import zeroengine
-
-            with zeroengine.zero.GatheredParameters(list(model.parameters())):
-                weights = [p.detach().flatten().tolist() for p in model.parameters()]
-        else:
-            weights = [p.detach().flatten().tolist() for p in model.parameters()]
+    if args.test_only:
+        trainer.test(model, DataLoader(data, batch_size=2), ckpt_path=args.test_only)
+    else:
+        trainer.fit(model, DataLoader(data, batch_size=2), ckpt_path=args.resume)
+    # After a stage-3 fit the parameters stay partitioned (as under DeepSpeed): gather them to read them.
+    with torch.no_grad(), GatheredParameters(list(model.parameters())):
+        weights = [p.detach().flatten().tolist() for p in model.parameters()]
     report = {"losses": model.losses, "lrs": model.lrs, "global_step": trainer.global_step, "weights": weights,
               "strategy": type(trainer.strategy).__name__}
     with open(f"{args.report}.rank{trainer.global_rank}.json", "w") as f:
         json.dump(report, f)
-
-
-def zeroengine_stage(trainer):
-    return trainer.strategy.config["zero_optimization"]["stage"]
 
 
 if __name__ == "__main__":

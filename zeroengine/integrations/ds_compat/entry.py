@@ -1,8 +1,6 @@
 """``deepspeed.initialize`` and ``deepspeed.init_distributed`` with DeepSpeed's signatures."""
 from __future__ import annotations
 
-from datetime import timedelta
-
 import zeroengine
 from zeroengine import comm
 
@@ -26,20 +24,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=None, verbose=True, timeout=None,
                      init_method=None, dist_init_required=None, config=None, rank=-1, world_size=-1):
-    """DeepSpeed's ``init_distributed`` over :func:`zeroengine.comm.init_distributed`.
-
-    The world comes from the launcher's variables (torchrun's, zeroengine's, accelerate's), or SLURM's or
-    Open MPI's, which ``auto_mpi_discovery`` names; ``distributed_port`` is used when MASTER_PORT is not
-    set; ``timeout`` (a timedelta or seconds) bounds every collective. ``init_method``, ``rank`` and
-    ``world_size`` given explicitly are refused: zeroengine reads them from the environment."""
-    if dist_init_required is False:
-        return
-    if init_method is not None or rank not in (-1, None) or world_size not in (-1, None):
-        raise ValueError("init_distributed(init_method=/rank=/world_size=) is not supported: zeroengine reads "
-                         "the world from the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
-    import os
-
-    if distributed_port is not None and "MASTER_PORT" not in os.environ and "RANK" in os.environ:
-        os.environ["MASTER_PORT"] = str(distributed_port)
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    comm.init_distributed(backend=dist_backend, timeout_s=seconds)
+    """DeepSpeed's ``init_distributed``, in DeepSpeed's positional order, over
+    :func:`zeroengine.comm.init_distributed` (which takes the same keywords; see there)."""
+    comm.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=auto_mpi_discovery,
+                          distributed_port=distributed_port, verbose=verbose, timeout=timeout, init_method=init_method,
+                          dist_init_required=dist_init_required, config=config, rank=rank, world_size=world_size)
