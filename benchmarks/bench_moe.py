@@ -298,6 +298,7 @@ def a2a_worker(rank, world, tokens, hidden, experts, k, repeats):
 
 def run_a2a(worlds, tokens, hidden, experts, k, repeats):
     from bench_moe import a2a_worker as worker  # importable by name, as run_distributed needs
+
     from zeroengine.testing import run_distributed
 
     out = {}

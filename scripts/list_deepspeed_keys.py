@@ -126,8 +126,6 @@ def dict_parsed_keys() -> dict:
 
 
 def pydantic_keys() -> dict:
-    from pydantic_core import PydanticUndefined
-
     from deepspeed.comm.config import CommsLoggerConfig
     from deepspeed.compile.config import CompileConfig
     from deepspeed.inference.config import WeightQuantConfig
@@ -138,9 +136,12 @@ def pydantic_keys() -> dict:
     from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
-    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                       DeepSpeedZeroOffloadParamConfig)
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
     from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+    from pydantic_core import PydanticUndefined
 
     models = {
         "zero_optimization": DeepSpeedZeroConfig,

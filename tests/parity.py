@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-
 from model import GPT, GPTConfig
 
 # The attention key bias has a mathematically zero gradient (softmax ignores a

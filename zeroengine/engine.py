@@ -14,7 +14,6 @@ from zeroengine.progress import ProgressMeter, StepTimers, format_progress, get_
 from zeroengine.zero.grad_stores import engine_backward
 from zeroengine.zero.optimizer import StepResult, ZeroOptimizer
 
-
 # DeepSpeed engine methods zeroengine does not have, with what to do instead.
 _DEEPSPEED_ONLY = {
     "no_sync": "at stages 0 and 1 gradients are reduced only at gradient-accumulation boundaries already, and "

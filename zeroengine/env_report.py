@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 import importlib
+import math
 import platform
 import shutil
 import sys

@@ -14,8 +14,7 @@ from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine
 from zeroengine.monitor import build_recorder
 from zeroengine.optim.factory import build_optimizer
-from zeroengine.optim._schedule import ScheduleParamError
-from zeroengine.optim.schedulers import build_scheduler
+from zeroengine.optim.schedulers import ScheduleParamError, build_scheduler
 from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
 from zeroengine.progress import set_log_level

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from model import GPT, MLP, Block, CausalSelfAttention, GPTConfig
+
 from zeroengine.moe import MoE
 
 

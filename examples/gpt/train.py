@@ -18,8 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import zeroengine  # noqa: E402
 from model import GPT, GPTConfig, SyntheticTokens  # noqa: E402
+
+import zeroengine  # noqa: E402
 
 
 def parse_args():

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
-import zeroengine
 from model import GPT, Block, GPTConfig
 from parity import base_config, global_batches
+
+import zeroengine
 from zeroengine import checkpointing
 from zeroengine.testing import run_distributed
 from zeroengine.zero import safe_get_full_fp32_param, safe_get_full_grad

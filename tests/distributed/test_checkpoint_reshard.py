@@ -11,11 +11,14 @@ import sys
 
 import pytest
 import torch
+from parity import ADAM_EPS, TINY, make_model
 
 import zeroengine
-from parity import ADAM_EPS, TINY, make_model
-from zeroengine.checkpoint import (CheckpointError, convert_zero_checkpoint_to_16bit_state_dict,
-                                   get_fp32_state_dict_from_zero_checkpoint)
+from zeroengine.checkpoint import (
+    CheckpointError,
+    convert_zero_checkpoint_to_16bit_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+)
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters
 

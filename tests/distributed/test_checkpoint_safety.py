@@ -6,11 +6,12 @@ import time
 
 import pytest
 import torch
-
-import zeroengine
 from parity import make_model
 from test_checkpoint_reshard import config, full_state, train
-from zeroengine.checkpoint import CheckpointError, save as save_module
+
+import zeroengine
+from zeroengine.checkpoint import CheckpointError
+from zeroengine.checkpoint import save as save_module
 from zeroengine.testing import DistributedTestError, run_distributed
 
 

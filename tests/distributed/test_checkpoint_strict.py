@@ -3,10 +3,10 @@ checkpoint (also when a parameter was frozen when saved and is trained now, or t
 checkpoint has nothing the model lacks."""
 import pytest
 import torch
-
-import zeroengine
 from parity import make_model
 from test_checkpoint_reshard import config, full_state, train
+
+import zeroengine
 from zeroengine.testing import DistributedTestError, run_distributed
 
 FROZEN = "blocks.0.attn.qkv.weight"

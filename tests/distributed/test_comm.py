@@ -78,6 +78,7 @@ def test_ring_wire_bytes_formulas():
 
 def _repeated_handshakes(rank, world):
     import torch.distributed as dist
+
     from zeroengine.comm.handshake import _store
 
     got = [comm.handshakes.exchange("op", f"{rank}:0".encode())]
@@ -97,6 +98,7 @@ def test_handshakes_return_every_rank_payload_and_do_not_pile_up_in_the_store():
 
 def _gathers_to_rank0(rank, world):
     import torch.distributed as dist
+
     from zeroengine.comm.handshake import _store
 
     results = [comm.handshakes.gather("tables", f"table of {rank}:{i}".encode()) for i in range(4)]

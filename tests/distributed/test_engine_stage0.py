@@ -1,9 +1,9 @@
 """Stage-0 engine behaviour beyond parity: accumulation, memory and comm accounting, initialize() inputs."""
 import pytest
 import torch
+from parity import base_config, global_batches, make_model
 
 import zeroengine
-from parity import base_config, global_batches, make_model
 from zeroengine import comm
 from zeroengine.testing import run_distributed
 

@@ -1,9 +1,9 @@
 """Full parameter, gradient and optimizer state of a sharded parameter, on demand (stages 1-3)."""
 import pytest
 import torch
+from parity import ADAM_EPS, base_config, global_batches, make_model
 
 import zeroengine
-from parity import ADAM_EPS, base_config, global_batches, make_model
 from zeroengine.testing import run_distributed
 from zeroengine.zero import (
     safe_get_full_fp32_param,

@@ -6,11 +6,11 @@ Parity runs use SGD: Adam's update is invariant to the scale of a gradient, so i
 divisor of the expert gradients or a wrong global norm; SGD's is not."""
 import pytest
 import torch
-
-import zeroengine
 from model import GPTConfig
 from moe_model import MoEConfig, MoEGPT
 from parity import base_config, global_batches
+
+import zeroengine
 from zeroengine.config import ConfigError
 from zeroengine.moe import expert_checkpoint_names, is_expert_param
 from zeroengine.testing import run_distributed

@@ -11,9 +11,9 @@ import math
 import os
 
 import torch
+from parity import ADAM_EPS, base_config, global_batches, make_model
 
 import zeroengine
-from parity import ADAM_EPS, base_config, global_batches, make_model
 from zeroengine.comm import counters, ring_wire_bytes
 from zeroengine.monitor import read_scalars
 from zeroengine.testing import run_distributed

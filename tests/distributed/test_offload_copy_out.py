@@ -7,10 +7,10 @@ that order too.
 """
 import pytest
 import torch
+from parity import make_model
+from test_checkpoint_reshard import config, full_state, train
 
 import zeroengine
-from test_checkpoint_reshard import config, full_state, train
-from parity import make_model
 from zeroengine.testing import run_distributed
 
 

@@ -6,10 +6,10 @@ a no-op, so these tests pin down placement and numbers; tests/gpu covers the
 copies to and from a CUDA device.
 """
 import pytest
-
-import zeroengine
 from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from test_zero_parity import _assert_matches_reference, full_state
+
+import zeroengine
 from zeroengine.testing import run_distributed
 
 STEPS = 6

@@ -18,9 +18,9 @@ import traceback
 import pytest
 import torch
 import torch.nn as nn
+from parity import ADAM_EPS, base_config
 
 import zeroengine
-from parity import ADAM_EPS, base_config
 from zeroengine.testing import run_distributed
 
 try:

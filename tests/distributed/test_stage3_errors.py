@@ -7,13 +7,12 @@ import time
 from datetime import timedelta
 
 import pytest
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from parity import base_config, make_model
 
 import zeroengine
-from parity import base_config, make_model
 from zeroengine import comm
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters, PartitionedParameterError

@@ -8,8 +8,13 @@ import torch.nn.functional as F
 
 import zeroengine
 from zeroengine.testing import run_distributed
-from zeroengine.zero import (GatheredParameters, Init, PartitionedParameterError, register_external_parameter,
-                             unregister_external_parameter)
+from zeroengine.zero import (
+    GatheredParameters,
+    Init,
+    PartitionedParameterError,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 
 V, D = 32, 16
 

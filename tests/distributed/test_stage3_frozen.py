@@ -2,9 +2,9 @@
 given gradients or optimizer state; training matches a single-process reference that freezes the same."""
 import pytest
 import torch
+from parity import ADAM_EPS, base_config, global_batches, make_model
 
 import zeroengine
-from parity import ADAM_EPS, base_config, global_batches, make_model
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters, is_partitioned, safe_get_full_fp32_param, safe_get_full_grad
 

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
-import zeroengine
 from model import GPT
 from parity import TINY, base_config, global_batches, make_model, reference_run
+
+import zeroengine
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters, Init, PartitionedParameterError, is_partitioned
 

@@ -3,9 +3,9 @@ persistent small parameters. Counted through the buffers' FetchStats; numbers mu
 import functools
 
 import torch
+from parity import base_config, global_batches, make_model, reference_run
 
 import zeroengine
-from parity import base_config, global_batches, make_model, reference_run
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters, is_partitioned
 

@@ -6,9 +6,9 @@ cast after initialize, or compiled at stage 3, is caught with a reason; a zero-s
 import pytest
 import torch
 import torch.nn as nn
+from parity import base_config
 
 import zeroengine
-from parity import base_config
 from zeroengine.testing import run_distributed
 
 WORLD = 2

@@ -1,9 +1,9 @@
 """Stages 1-3: memory_breakdown() against DESIGN.md's formulas, and bytes on the wire per step."""
 import pytest
 import torch
+from parity import base_config, global_batches, make_model
 
 import zeroengine
-from parity import base_config, global_batches, make_model
 from zeroengine import comm
 from zeroengine.testing import run_distributed
 

@@ -5,9 +5,9 @@ tolerance derived from the format (see test_16bit_tracks_fp32_loss_curve).
 """
 import pytest
 import torch
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
 
 import zeroengine
-from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters
 

@@ -1,9 +1,9 @@
 """The engine on one CUDA device with NCCL (skipped without CUDA): the CPU parity suite at world size 1."""
 import pytest
 import torch
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
 
 import zeroengine
-from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from zeroengine.zero import GatheredParameters
 
 pytestmark = pytest.mark.gpu

@@ -1,9 +1,9 @@
 """offload_param on a CUDA device: parameters live in pinned CPU memory between uses."""
 import pytest
 import torch
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
 
 import zeroengine
-from parity import base_config, engine_losses, global_batches, make_model, reference_run
 from zeroengine.zero import GatheredParameters
 
 pytestmark = pytest.mark.gpu

@@ -3,7 +3,6 @@
 ``DummyScheduler`` (the config builds them). It trains; ``save_state`` then ``load_state`` in a fresh process
 gives the same next steps exactly; ``get_state_dict`` gives the full weights. ``accelerate launch`` runs it too."""
 import pytest
-
 from runner import launch, read, run, script
 
 pytestmark = pytest.mark.slow

@@ -2,11 +2,10 @@
 availability and version checks) get zeroengine with the variable set, through the start-up hook pip installs,
 and the real DeepSpeed (or an ImportError) without it."""
 import json
-import os
 
 import pytest
-
 from runner import launch, run, script
+
 from zeroengine.integrations import as_deepspeed
 
 

@@ -9,7 +9,6 @@ import json
 import shutil
 
 import pytest
-
 from runner import config, launch, read, relative_difference, run, script
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,6 @@ back bit for bit."""
 import sys
 
 import pytest
-
 from runner import SCRIPTS, config, launch, read, run, script
 
 pytestmark = pytest.mark.slow

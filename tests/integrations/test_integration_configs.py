@@ -5,8 +5,8 @@ import json
 import logging
 
 import pytest
-
 from runner import config
+
 from zeroengine.config import ConfigError, load_config
 
 

@@ -4,7 +4,6 @@ steps and the same final weights, with accumulate_grad_batches 1 and 2 (2 with 5
 epoch ends on half a group; SGD, which shows a gradient scaled twice where Adam hides it). A checkpoint taken by
 ModelCheckpoint resumes in a fresh process onto the same later steps."""
 import pytest
-
 from runner import launch, read, run, script
 
 pytestmark = pytest.mark.slow

@@ -22,11 +22,10 @@ after a load, which the test reads.
 import argparse
 import json
 
+import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import deepspeed
 
 D_IN, HIDDEN, CLASSES, SAMPLES = 16, 32, 4, 4096
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from model import GPT, Block, GPTConfig
 
 import zeroengine
-from model import GPT, Block, GPTConfig
 from zeroengine import checkpointing
 from zeroengine.config import ConfigError
 

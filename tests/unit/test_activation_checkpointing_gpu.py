@@ -2,8 +2,8 @@
 import pytest
 import torch
 import torch.nn as nn
-
 from model import Block, GPTConfig
+
 from zeroengine import checkpointing
 
 pytestmark = pytest.mark.gpu

@@ -3,8 +3,8 @@ import logging
 
 import pytest
 import torch
-
 from model import GPT, Block, GPTConfig
+
 from zeroengine import checkpointing
 from zeroengine.checkpointing import storage
 from zeroengine.checkpointing.memory_probe import LiveTensorBytes

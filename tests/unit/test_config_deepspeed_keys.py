@@ -14,7 +14,6 @@ import os
 import sys
 
 import pytest
-
 import torch
 
 import zeroengine

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zeroengine.ops import builder as builder_module
-from zeroengine.ops._adam_common import AdamHyper, _reference_adam_step
+from zeroengine.ops._adam_common import AdamHyper, reference_adam_step
 from zeroengine.ops.adam import CPUAdam
 from zeroengine.ops.op_builders import CPUAdamBuilder
 
@@ -130,7 +130,7 @@ def test_kernel_16bit_grads(kernel, grad_dtype, adamw_mode):
     for step in range(1, 4):
         grad = torch.randn(n).to(grad_dtype)
         kernel.adam_step(ours[0], grad, ours[1], ours[2], None, step, **hyper.kernel_args())
-        _reference_adam_step(ref[0], grad, ref[1], ref[2], step, hyper)
+        reference_adam_step(ref[0], grad, ref[1], ref[2], step, hyper)
     for a, b in zip(ours, ref):
         assert_close(a, b)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zeroengine.ops import builder as builder_module
-from zeroengine.ops._adam_common import AdamHyper, _reference_adam_step
+from zeroengine.ops._adam_common import AdamHyper, reference_adam_step
 from zeroengine.ops.adam import FusedAdam
 from zeroengine.ops.builder import find_nvcc
 from zeroengine.ops.op_builders import FusedAdamBuilder
@@ -108,7 +108,7 @@ def test_cuda_kernel_16bit_params(dtype):
     for step in range(1, 4):
         for p, (ref_p, m, v) in zip(ours, ref):
             p.grad = torch.randn(p.shape, generator=gen).to("cuda", dtype)
-            _reference_adam_step(ref_p, p.grad, m, v, step, hyper)
+            reference_adam_step(ref_p, p.grad, m, v, step, hyper)
         opt.step()
     for p, (ref_p, m, v) in zip(ours, ref):
         # Each step rounds nearly equal fp32 values (fma differences) to 16 bits,

@@ -3,12 +3,19 @@ from dataclasses import replace
 
 import pytest
 
-from zeroengine.launcher.commands import (JobSpec, collect_exports, find_env_files,
-                                         parse_env_file, pdsh_command, slurm_command,
-                                         slurm_command_for_layout, ssh_commands, user_argv)
+from zeroengine.launcher.commands import (
+    JobSpec,
+    collect_exports,
+    find_env_files,
+    parse_env_file,
+    pdsh_command,
+    slurm_command,
+    slurm_command_for_layout,
+    ssh_commands,
+    user_argv,
+)
 from zeroengine.launcher.hostfile import parse_hostfile_text, world_layout
-from zeroengine.launcher.local import (plan_from_layout, plan_uniform, rank_env_vars,
-                                      visible_devices)
+from zeroengine.launcher.local import plan_from_layout, plan_uniform, rank_env_vars, visible_devices
 
 HOSTFILE = "worker-0 slots=2\nworker-1 slots=2\n"
 LAYOUT = world_layout(parse_hostfile_text(HOSTFILE))

@@ -1,10 +1,19 @@
 """Hostfile parsing, --include/--exclude specs and world-layout limits."""
 import pytest
 
-from zeroengine.launcher.hostfile import (HostfileError, filter_hosts, format_layout,
-                                         is_uniform, limit_layout, node_offsets,
-                                         parse_hostfile_text, parse_layout, parse_spec,
-                                         read_hostfile, world_layout)
+from zeroengine.launcher.hostfile import (
+    HostfileError,
+    filter_hosts,
+    format_layout,
+    is_uniform,
+    limit_layout,
+    node_offsets,
+    parse_hostfile_text,
+    parse_layout,
+    parse_spec,
+    read_hostfile,
+    world_layout,
+)
 
 SAMPLE = """\
 # cluster

@@ -1,8 +1,7 @@
 """detect_rank_env under fake zeroengine/torchrun, SLURM and OpenMPI environments."""
 import pytest
 
-from zeroengine.launcher.rank_env import (RankEnv, detect_rank_env, expand_nodelist,
-                                         expand_tasks_per_node)
+from zeroengine.launcher.rank_env import RankEnv, detect_rank_env, expand_nodelist, expand_tasks_per_node
 
 
 def test_no_launcher_means_single_process():

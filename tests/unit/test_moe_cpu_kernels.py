@@ -6,8 +6,13 @@ import torch
 import torch.nn as nn
 
 from zeroengine.moe.grouped_cpu import GradWorkspace, expert_mlp
-from zeroengine.ops.moe_dispatch import (backend, permute_tokens, permute_tokens_split, unpermute_combine,
-                                         unpermute_combine_segments)
+from zeroengine.ops.moe_dispatch import (
+    backend,
+    permute_tokens,
+    permute_tokens_split,
+    unpermute_combine,
+    unpermute_combine_segments,
+)
 
 pytestmark = pytest.mark.skipif(backend("cpu") != "cpp", reason="moe_dispatch CPU kernel not built")
 
@@ -134,8 +139,8 @@ def _set_threads(n):
                                                  (17, 1000, [257, 2, 300, 6, 1, 0]), (256, 258, [16, 15, 200]),
                                                  (513, 1, [1, 2, 3, 4, 5, 6, 7, 8])])
 def test_grouped_gemms_match_torch_at_every_tile_edge(threads, k_dim, n_dim, counts):
-    from zeroengine.ops.moe_dispatch import cpu_kernel
     from zeroengine.ops.cpu_features import cpu_flags
+    from zeroengine.ops.moe_dispatch import cpu_kernel
 
     kernel = cpu_kernel(torch.zeros(1), "kernel")
     if {"avx2", "fma"} <= cpu_flags():

@@ -31,8 +31,15 @@ from zeroengine.zero.gathered import GatheredParameters
 from . import manifest as mf
 from .agreement import exchange, gather_to_rank0, raise_failures
 from .files import CheckpointError, fsync_dir, save_json, save_tensors, save_text
-from .state import (capture_rng, check_plain, numbers_as_python, parameter_aliases, parameter_names,
-                    parameter_places, stored_shape)
+from .state import (
+    capture_rng,
+    check_plain,
+    numbers_as_python,
+    parameter_aliases,
+    parameter_names,
+    parameter_places,
+    stored_shape,
+)
 
 
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,

@@ -11,13 +11,13 @@ import torch
 from .files import CheckpointError
 
 if TYPE_CHECKING:
-    from zeroengine.moe.params import StoredAs
+    from zeroengine.moe.checkpoint_places import StoredAs
 
 
 def parameter_places(module: torch.nn.Module) -> dict[int, "StoredAs"]:
     """id(parameter) -> where its values are stored: a name (the first one, for a parameter shared under
     several names), and for stacked MoE experts an element offset into a larger stored tensor."""
-    from zeroengine.moe.params import StoredAs, expert_checkpoint_places
+    from zeroengine.moe.checkpoint_places import StoredAs, expert_checkpoint_places
 
     places: dict[int, StoredAs] = {}
     for name, p in module.named_parameters(remove_duplicate=False):

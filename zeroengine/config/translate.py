@@ -17,7 +17,6 @@ from .errors import ConfigError, Problem, describe, did_you_mean, join_path
 from .legacy import legacy_keys_at
 from .unsupported import unsupported_keys_at
 
-
 _KIND = {
     "int_type": "an integer",
     "int_parsing": "an integer",

@@ -23,8 +23,17 @@ import sys
 from dataclasses import replace
 from typing import List, Optional
 
-from .commands import (SSH_OPTIONS, JobSpec, LaunchCommand, collect_exports, find_env_files,
-                       pdsh_command, slurm_command, slurm_command_for_layout, ssh_commands)
+from .commands import (
+    SSH_OPTIONS,
+    JobSpec,
+    LaunchCommand,
+    collect_exports,
+    find_env_files,
+    pdsh_command,
+    slurm_command,
+    slurm_command_for_layout,
+    ssh_commands,
+)
 from .hostfile import parse_layout, read_hostfile, world_layout
 from .local import NodePlan, plan_from_layout, plan_uniform, rank_commands
 from .rank_env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT

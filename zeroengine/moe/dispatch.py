@@ -19,14 +19,19 @@ from dataclasses import dataclass
 import torch
 
 from zeroengine import comm
-from zeroengine.ops.moe_dispatch import (permute_tokens, permute_tokens_split, unpermute_combine,
-                                         unpermute_combine_segments)
+from zeroengine.ops.moe_dispatch import (
+    permute_tokens,
+    permute_tokens_split,
+    unpermute_combine,
+    unpermute_combine_segments,
+)
 
 from .expert_group import SERIAL_BELOW, run_expert_modules
 from .experts import run_experts, runs_per_module
 from .fused_route import route_gather
-from .gate import GateOutput, TopKGate
+from .gate import TopKGate
 from .groups import ExpertGroups
+from .routing import GateOutput
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .expert_group import SERIAL_BELOW, call_expert
-from .grouped import GroupedMLPExperts, _has_hooks, grouped_mlp_modules, mlp_spec
+from .grouped import GroupedMLPExperts, grouped_mlp_modules, has_hooks, mlp_spec
 from .grouped_cpu import GradWorkspace
 from .params import tag_expert_params
 
@@ -41,7 +41,7 @@ class ExpertList(nn.ModuleList):
     def use_grouped(self) -> bool:
         # Hooks added after construction (e.g. by a profiler) need the modules' own forward.
         return (self.grouped != "off" and len(self) > 1 and self.spec is not None
-                and not any(_has_hooks(e) for e in self))
+                and not any(has_hooks(e) for e in self))
 
 
 def make_local_experts(expert: nn.Module, global_ids: Sequence[int], ep_size: int, layout: str = "modules",

@@ -4,7 +4,7 @@
 C++ kernel applies: CPU, fp32, k <= 8, deterministic choices in token order (not, in training,
 GShard's random or sampled second expert, nor Random Token Selection). The kernel (ops/csrc/moe/moe_gate_cpu.cpp) computes in one pass forward
 what :func:`topk_gate_reference` computes with ~20 PyTorch ops: the softmax's top-k, capacity
-positions and drops (Note: capacity and priority in gate.py), counts, combine weights, the
+positions and drops (Note: capacity and priority in routing.py), counts, combine weights, the
 load-balancing loss, and the dispatch maps the dispatcher would otherwise rebuild from a sort
 (``rows``/``index`` of :class:`~zeroengine.moe.dispatch.DispatchPlan`); backward is one pass
 from the weights' and the loss's gradients to the logits'. Elsewhere the gate's PyTorch path
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from zeroengine.ops.moe_dispatch import cpu_kernel
 
-from .gate import GateOutput, router_z_loss
+from .routing import GateOutput, router_z_loss
 
 MAX_K = 8  # the kernel keeps the running top-k in registers
 

@@ -21,7 +21,7 @@ from zeroengine.ops.moe_dispatch import cpu_kernel
 
 from .fused_gate import MAX_K, kernel_forward, kernel_grad_logits
 from .gate import TopKGate
-from .grouped import _has_hooks
+from .grouped import has_hooks
 
 
 def applies(gate, x: torch.Tensor, impl: str) -> bool:
@@ -29,7 +29,7 @@ def applies(gate, x: torch.Tensor, impl: str) -> bool:
     built-in gate with deterministic choices, no noise or z-loss, no hooks)."""
     if type(gate) is not TopKGate or impl == "torch" or x.device.type != "cpu" or x.dtype != torch.float32:
         return False
-    if gate.wg.weight.dtype != torch.float32 or gate.k > MAX_K or gate.z_loss_coef or _has_hooks(gate):
+    if gate.wg.weight.dtype != torch.float32 or gate.k > MAX_K or gate.z_loss_coef or has_hooks(gate):
         return False
     if gate.training and (gate.noisy_gate_policy is not None or (gate.k > 1 and gate.second_expert_policy != "all")
                           or (gate.use_rts and gate.k == 1 and gate.drop_tokens)):

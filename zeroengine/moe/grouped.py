@@ -51,7 +51,7 @@ class MLPSpec:
     bias2: bool
 
 
-def _has_hooks(module: nn.Module) -> bool:
+def has_hooks(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                or getattr(m, "_backward_pre_hooks", None) for m in module.modules())
 
@@ -64,7 +64,7 @@ def mlp_spec(expert: nn.Module) -> MLPSpec | None:
     l1, act, l2 = expert
     if type(l1) is not nn.Linear or type(l2) is not nn.Linear or type(act) not in _ACTIVATIONS:
         return None
-    if l1.out_features != l2.in_features or _has_hooks(expert):
+    if l1.out_features != l2.in_features or has_hooks(expert):
         return None
     return MLPSpec(l1.in_features, l1.out_features, l2.out_features, l1.bias is not None, l2.bias is not None)
 

@@ -115,7 +115,7 @@ def run_closure(closure: Callable[[], float] | None):
         return closure()
 
 
-def _reference_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+def reference_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor, step: int, hyper: AdamHyper,
                          copy_to: torch.Tensor | None = None) -> None:
     """One Adam/AdamW step with torch ops, in place; ``step`` counts this update.

@@ -6,9 +6,9 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from zeroengine.ops._adam_common import AdamBase, AdamHyper, _reference_adam_step, run_closure
-from zeroengine.ops.fused_adam import FusedAdam, load_cuda_kernel, multi_tensor_step
+from zeroengine.ops._adam_common import AdamBase, AdamHyper, reference_adam_step, run_closure
 from zeroengine.ops.builder import load_kernel
+from zeroengine.ops.fused_adam import FusedAdam, load_cuda_kernel, multi_tensor_step
 from zeroengine.ops.op_builders import CPUAdamBuilder
 
 __all__ = ["CPUAdam", "FusedAdam"]
@@ -94,7 +94,7 @@ class CPUAdam(AdamBase):
             self._kernel.adam_step(param, param.grad.contiguous(), exp_avg, exp_avg_sq, copy_to,
                                    step, **hyper.kernel_args())
         else:
-            _reference_adam_step(param, param.grad, exp_avg, exp_avg_sq, step, hyper, copy_to)
+            reference_adam_step(param, param.grad, exp_avg, exp_avg_sq, step, hyper, copy_to)
 
 
 def _check_copy_target(param: torch.Tensor, target: torch.Tensor) -> None:

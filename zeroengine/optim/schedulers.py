@@ -12,11 +12,20 @@ import inspect
 import math
 from typing import Any, Dict, List, Optional
 
-from ._schedule import (ScheduleParamError, Schedule, Warmup, group_lr, non_negative_int, per_group, positive_int,
-                        unit_interval)
+from ._schedule import (
+    Schedule,
+    ScheduleParamError,
+    Warmup,
+    group_lr,
+    non_negative_int,
+    per_group,
+    positive_int,
+    unit_interval,
+)
 from .one_cycle import OneCycle
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "SCHEDULERS", "build_scheduler"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "SCHEDULERS", "ScheduleParamError",
+           "build_scheduler"]
 
 
 class WarmupLR(Schedule):

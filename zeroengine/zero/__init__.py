@@ -6,6 +6,7 @@ helpers for sharded parameters (``safe_get_full_fp32_param`` and friends),
 ``register_external_parameter`` (a module that uses another module's parameter), and the error a
 partitioned parameter raises when used outside the engine (``PartitionedParameterError``).
 """
+from .external import register_external_parameter, unregister_external_parameter
 from .full_values import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -13,7 +14,6 @@ from .full_values import (
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
-from .external import register_external_parameter, unregister_external_parameter
 from .gathered import GatheredParameters, is_partitioned
 from .init import Init
 from .param_guard import PartitionedParameterError

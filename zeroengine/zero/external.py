@@ -10,18 +10,30 @@ model's ``__init__``, under ``zero.Init`` or not) or after it.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 _ATTR = "_ze_external_params"  # on the module: {id(param): param}
+# Told of every registration made after they were built: stage 3's hooks of a live model (which may refuse
+# it). Weak, so a dropped engine's hooks go with it; they call watch_registrations themselves.
+_WATCHERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def watch_registrations(watcher) -> None:
+    """From now on ``watcher.external_registered(module, parameter)`` runs at each registration."""
+    _WATCHERS.add(watcher)
+
+
+def unwatch_registrations(watcher) -> None:
+    _WATCHERS.discard(watcher)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     """Fetch ``parameter`` whenever ``module`` runs forward or backward (stage 3)."""
     _check_types(module, parameter, "register_external_parameter")
-    from .stage3_hooks import live_hooks  # (it imports this module)
-
-    for hooks in live_hooks():  # models already hooked for stage 3 learn of it now (and may refuse it)
-        hooks.external_registered(module, parameter)
+    for watcher in list(_WATCHERS):  # models already hooked for stage 3 learn of it now (and may refuse it)
+        watcher.external_registered(module, parameter)
     module.__dict__.setdefault(_ATTR, {})[id(parameter)] = parameter
 
 

@@ -15,21 +15,21 @@ from zeroengine import comm
 from zeroengine.config import ConfigError
 from zeroengine.precision.master_weights import MasterWeights
 
-from .flat_params import FlatParamBuffer
-from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
-from .layout import build_layout
-from .moe_split import ExpertDataParallelOptimizer, build_sharded_with_experts, split_domains
 from . import gather_order, host_memory
+from .flat_params import FlatParamBuffer
 from .gather_order import GatherOrderCheck
 from .gathered import register_partitioned
+from .grad_stores import BucketReducer, FullGradStore, PartitionedGradStore
 from .init import InitReshard, is_init_partitioned
-from .optimizer import ZeroOptimizer
+from .layout import build_layout
+from .moe_split import ExpertDataParallelOptimizer, build_sharded_with_experts, split_domains
+from .optimizer import ZeroOptimizer, trained_group_of
 from .param_guard import full_shape
 from .partitioned_params import FetchStats, PartitionedParamBuffer
 from .sharded import ShardedOptimizer
+from .stage0 import DataParallelOptimizer
 from .stage3 import Stage3Optimizer, Stage3Params, persistent_buckets, split_params
 from .stage3_hooks import FetchPolicy, Stage3Hooks, Unit
-from .stage0 import DataParallelOptimizer
 
 IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
@@ -99,13 +99,6 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramet
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def trained_group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """id(parameter) -> its param group, for the parameters the sharded stages step. A frozen parameter in a
-    group (``model_parameters=model.parameters()`` with part of the model frozen) is left out, as DeepSpeed
-    does: it has no gradient, and stepping it would still apply weight decay to it."""
-    return {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
-
-
 def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None):
     master_weights = None
     if policy.mixed:
@@ -134,7 +127,7 @@ def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, c
     layout = build_layout([p.numel() for p in params], world, int(zero_config.reduce_bucket_size))
     flat = FlatParamBuffer(params, layout, policy.param_dtype, rank)
     module.to(policy.param_dtype)  # whatever is not trainable (buffers, frozen params) follows
-    reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
+    reducer = BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
     grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
     return _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, flat, params, fp32_values, grad_store,
                      group_of)
@@ -176,7 +169,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
             units.append(Unit(frozen_buffer, b, False))
             unit_of.update({id(frozen_buffer.params[s.index]): len(units) - 1 for s in b.slots})
     hooks = Stage3Hooks(module, units, unit_of, FetchPolicy.from_config(zero_config))
-    reducer = _BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
+    reducer = BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
     grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready,
                                       on_stray_pass_over=hooks.release_all)
     sharded = _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, trainable.params,

@@ -13,11 +13,11 @@ import torch
 
 from zeroengine import comm
 
-from .gathered import _lookup
+from .gathered import partition_entry
 
 
 def _entry(param: torch.Tensor):
-    entry = _lookup(param)
+    entry = partition_entry(param)
     if entry is None:
         raise ValueError("this parameter is not sharded by a zeroengine ZeRO stage (1-3): at stage 0 read it and "
                          "its .grad directly (in fp16 training .grad is multiplied by engine.loss_scale until the "
@@ -48,7 +48,7 @@ def _gather_slice(owner, bucket, slot, shape, chunk: torch.Tensor, buffer=None) 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     owner, bucket, slot, shape = _entry(param)
     if owner is None:  # a frozen stage-3 parameter: its partitioned buffer is all there is
-        buffer = _lookup(param)[0]
+        buffer = partition_entry(param)[0]
         return _gather_slice(None, bucket, slot, shape, buffer.chunk_view(bucket, buffer.rank).float(), buffer)
     return _gather_slice(owner, bucket, slot, shape, owner.chunks[bucket.index].float())
 

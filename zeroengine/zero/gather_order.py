@@ -47,7 +47,6 @@ from zeroengine.comm.handshake import default_timeout_s
 
 from .layout import Bucket
 
-
 # What GatheredParameters gathers for: known to every rank, so a rank that never entered the block can
 # still name it when a peer did.
 GATHERED_PARAMETERS_LABEL = "zeroengine.zero.GatheredParameters (collective: every rank must enter it)"

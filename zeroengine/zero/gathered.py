@@ -32,7 +32,9 @@ def register_partitioned(param: torch.nn.Parameter, buffer, bucket_index: int, o
                       param_index)
 
 
-def _lookup(param: torch.Tensor):
+def partition_entry(param: torch.Tensor):
+    """``(buffer, bucket index, owning optimizer, parameter index)`` of a parameter a ZeRO buffer holds (as
+    ``register_partitioned`` recorded it), or None."""
     entry = _REGISTRY.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
@@ -41,7 +43,7 @@ def _lookup(param: torch.Tensor):
 
 def _stage3_entry(param: torch.Tensor):
     """The registry entry of a stage-3 parameter (one whose buffer partitions it), else None."""
-    entry = _lookup(param)
+    entry = partition_entry(param)
     return entry if entry is not None and isinstance(entry[0], PartitionedParamBuffer) else None
 
 
@@ -82,7 +84,7 @@ class GatheredParameters:
                     mark_gathered(p)
                     self._init_gathered.append((p, shard))
                 continue
-            entry = _lookup(p)
+            entry = partition_entry(p)
             if entry is not None and isinstance(entry[0], PartitionedParamBuffer):
                 buffer, index, owner, _ = entry
                 seen[(id(buffer), index)] = (buffer, index, owner)

@@ -41,7 +41,6 @@ from zeroengine import comm
 from .flat_params import FlatParamBuffer
 from .layout import Bucket, FlatLayout
 
-
 # Reductions launched but not yet folded into the gradient shard. Each holds a
 # bucket buffer (and, on gloo, an all-to-all receive buffer) alive; without a
 # bound, all of them would be alive at the end of backward (≈ 10Ψ bytes of
@@ -49,7 +48,7 @@ from .layout import Bucket, FlatLayout
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
-class _BucketReducer:
+class BucketReducer:
     """Reduce-scatter of one bucket buffer into this rank's (averaged) chunk, optionally async."""
 
     def __init__(self, rank: int, world: int, group, comm_dtype: torch.dtype | None, overlap: bool,
@@ -119,7 +118,7 @@ class _InOrderLauncher:
 class FullGradStore:
     """Stage 1 (see module doc)."""
 
-    def __init__(self, flat_params: FlatParamBuffer, reducer: _BucketReducer):
+    def __init__(self, flat_params: FlatParamBuffer, reducer: BucketReducer):
         self.flat_params = flat_params
         self.layout: FlatLayout = flat_params.layout
         self.reducer = reducer
@@ -220,7 +219,7 @@ class PartitionedGradStore:
     rather than pooled, so no full-bucket buffer outlives the backward.
     """
 
-    def __init__(self, flat_params, reducer: _BucketReducer, on_bucket_ready=None, on_stray_pass_over=None):
+    def __init__(self, flat_params, reducer: BucketReducer, on_bucket_ready=None, on_stray_pass_over=None):
         self.params = flat_params.params
         self.layout: FlatLayout = flat_params.layout
         self.reducer = reducer

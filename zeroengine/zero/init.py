@@ -40,14 +40,15 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.nn.modules.module import (register_module_module_registration_hook,
-                                     register_module_parameter_registration_hook)
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.overrides import TorchFunctionMode
 
 from zeroengine import comm
 
-from .param_guard import (_FULL_METADATA, _PASS_THROUGH, _name, info_of, mark_gathered, mark_partitioned,
-                          op_arguments)
+from .param_guard import FULL_METADATA, PASS_THROUGH, info_of, mark_gathered, mark_partitioned, op_arguments, op_name
 
 # In-place ops that write every element without reading any: no gather needed to run them.
 _OVERWRITE = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "exponential_",
@@ -202,11 +203,11 @@ class _InitMode(TorchFunctionMode):
         targets = [p for p in _partitioned_args(args, kwargs) if p is not self.state.active]
         if not targets:
             return func(*args, **kwargs)
-        name = _name(func)
+        name = op_name(func)
         # torch.nn.init's functions hand their tensor over by keyword (``tensor=``), everything else by position
         first = args[0] if args else kwargs.get("tensor")
         if first is targets[0]:
-            answer = _FULL_METADATA.get(name)
+            answer = FULL_METADATA.get(name)
             if answer is not None:
                 return answer(info_of(first), *args[1:], **kwargs)
             if name == "data.__get__":
@@ -215,7 +216,7 @@ class _InitMode(TorchFunctionMode):
                 # alias of them; the edit lands in the full value, which is cut back to the slice later.
                 self.state.activate(first, read_values=True)
                 return func(*args, **kwargs)
-        if name in _PASS_THROUGH:
+        if name in PASS_THROUGH:
             return func(*args, **kwargs)
         if len(targets) > 1:
             raise NotImplementedError(f"zero.Init: '{name}' uses several partitioned parameters at once "

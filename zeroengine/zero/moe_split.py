@@ -32,9 +32,9 @@ from zeroengine.memory import MemoryTally
 
 from .flat_params import FlatParamBuffer
 from .gathered import register_partitioned
-from .grad_stores import FullGradStore, PartitionedGradStore, _BucketReducer
+from .grad_stores import BucketReducer, FullGradStore, PartitionedGradStore
 from .layout import build_layout
-from .optimizer import StatePiece, ZeroOptimizer
+from .optimizer import StatePiece, ZeroOptimizer, trained_group_of
 from .sharded import ShardedOptimizer
 from .stage0 import DataParallelOptimizer
 
@@ -54,8 +54,8 @@ class ParamDomain:
 
 def split_domains(params: list[torch.nn.Parameter]) -> list[ParamDomain]:
     """The dense domain first, then one per ``ep_size`` among the expert parameters; [] without experts."""
-    from zeroengine.moe.params import expert_tag
     from zeroengine.moe.groups import expert_groups
+    from zeroengine.moe.params import expert_tag
 
     dense, by_ep = [], {}
     for p in params:
@@ -199,8 +199,6 @@ class ExpertShardedOptimizer(ZeroOptimizer):
 def build_sharded_with_experts(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype,
                                domains: list[ParamDomain]) -> ExpertShardedOptimizer:
     """Stages 1-2: a flat buffer, gradient store and sharded optimizer per domain."""
-    from .factory import trained_group_of  # (factory imports this module)
-
     group_of = trained_group_of(optimizer)
     # fp32 values of every domain before any cast (the masters start from exact weights).
     fp32_values = [[p.detach() for p in d.params] if policy.mixed else None for d in domains]
@@ -211,7 +209,7 @@ def build_sharded_with_experts(stage, module, optimizer, policy, loss_scaler, ze
     module.to(policy.param_dtype)
     parts, merged = [], [[] for _ in optimizer.param_groups]
     for d, flat, values in zip(domains, flats, fp32_values):
-        reducer = _BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
+        reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
                                  divisor=d.divisor)
         grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
         part = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, values, grad_store, d.rank,

@@ -26,6 +26,13 @@ from zeroengine.memory import MemoryTally
 from zeroengine.precision.policy import PrecisionPolicy
 
 
+def trained_group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> its param group, for the parameters the sharded stages step. A frozen parameter in a
+    group (``model_parameters=model.parameters()`` with part of the model frozen) is left out, as DeepSpeed
+    does: it has no gradient, and stepping it would still apply weight decay to it."""
+    return {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
+
+
 @dataclass(frozen=True)
 class StatePiece:
     """Elements [start, end) of a parameter's flattened fp32 value, as one rank holds them (for checkpoints).

@@ -56,7 +56,8 @@ class ShardInfo:
     init_shard: object = None
 
 
-def _name(func) -> str:
+def op_name(func) -> str:
+    """The name a ``__torch_function__`` call is known by here (``"add"``, ``"data.__get__"``)."""
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         owner = getattr(func, "__self__", None)
@@ -70,7 +71,7 @@ def _size(info, *args, **kwargs):
     return info.shape if dim is None else info.shape[dim]
 
 
-_FULL_METADATA = {
+FULL_METADATA = {
     "shape.__get__": lambda info: info.shape,
     "size": _size,
     "numel": lambda info: info.shape.numel(),
@@ -82,7 +83,7 @@ _FULL_METADATA = {
 }
 
 # Run on the placeholder itself: they do not read values.
-_PASS_THROUGH = frozenset({
+PASS_THROUGH = frozenset({
     "dtype.__get__", "device.__get__", "layout.__get__", "requires_grad.__get__", "requires_grad.__set__",
     "requires_grad_", "is_leaf.__get__", "grad.__get__", "grad.__set__", "grad_fn.__get__",
     "is_floating_point", "is_complex", "element_size", "untyped_storage", "is_cuda.__get__", "is_cpu.__get__",
@@ -103,13 +104,13 @@ class PartitionedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _name(func)
+        name = op_name(func)
         target = next((a for a in args if isinstance(a, PartitionedParameter)), None)
         if target is None:
             target = _first_partitioned(args, kwargs)
         if target is not None and args and args[0] is target:
             info = target._ze
-            answer = _FULL_METADATA.get(name)
+            answer = FULL_METADATA.get(name)
             if answer is not None:
                 return answer(info, *args[1:], **kwargs)
             if name == "__repr__" or name == "__format__":
@@ -117,7 +118,7 @@ class PartitionedParameter(torch.nn.Parameter):
         if name == "data.__set__" and target is args[0] and _sets_values(args[1]):
             raise PartitionedParameterError(_replaced_data_message(target))
         with torch._C.DisableTorchFunctionSubclass():
-            if target is None or name in _PASS_THROUGH or name == "data.__set__":
+            if target is None or name in PASS_THROUGH or name == "data.__set__":
                 return func(*args, **kwargs)
             if name == "detach" and target is args[0]:
                 return _placeholder(target, func(*args, **kwargs))
@@ -151,10 +152,10 @@ class PartitionedPlaceholder(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _name(func)
+        name = op_name(func)
         target = args[0] if args and isinstance(args[0], PartitionedPlaceholder) else None
         if target is not None:
-            answer = _FULL_METADATA.get(name)
+            answer = FULL_METADATA.get(name)
             if answer is not None:
                 return answer(target._ze, *args[1:], **kwargs)
             if name == "__repr__" or name == "__format__":

@@ -34,12 +34,11 @@ from torch.utils._pytree import tree_leaves
 
 from zeroengine.checkpointing.checkpoint import register_recompute_context
 
-from .external import external_parameters
+from .external import external_parameters, unwatch_registrations, watch_registrations
 from .layout import Bucket
 from .param_guard import PartitionedParameterError
 from .partitioned_params import PartitionedParamBuffer
 from .prefetch import ExecutionTrace, FetchEvent, TraceState
-
 
 _CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict, torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -119,6 +118,7 @@ class Stage3Hooks:
         self._begin_handle = module.register_forward_pre_hook(self._begin_pass, prepend=True)
         self.handles.insert(0, self._begin_handle)
         _LIVE.add(self)
+        watch_registrations(self)
 
     def remove(self) -> None:
         """Take every hook off the model (engine.destroy()); what is gathered is released first."""
@@ -127,6 +127,7 @@ class Stage3Hooks:
             handle.remove()
         self.handles = []
         _LIVE.discard(self)
+        unwatch_registrations(self)
 
     def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
         label = name or type(m).__name__
@@ -414,8 +415,7 @@ class Stage3Hooks:
         return self.trace.state
 
 
-# The stage-3 hooks objects alive now: told about external parameters registered after they were built,
-# and asked what a checkpointed segment's recompute must hold.
+# The stage-3 hooks objects alive now: asked what a checkpointed segment's recompute must hold.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 

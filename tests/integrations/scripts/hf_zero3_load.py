@@ -11,11 +11,10 @@ import json
 import os
 
 import torch
+from hf_trainer_run import Tokens
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.integrations import HfDeepSpeedConfig
-
-from hf_trainer_run import Tokens
 
 
 def gathered(model):

@@ -5,7 +5,6 @@ losses and learning rates, and the final weights, to ``--report``.rank<R>.json."
 import argparse
 import json
 import logging
-import os
 import warnings
 
 import pytorch_lightning as pl

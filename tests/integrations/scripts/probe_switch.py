@@ -23,20 +23,19 @@ except ImportError as error:
     out["import_error"] = str(error)
 if "--paths" in sys.argv:
     import torch
-
-    import zeroengine
-    from zeroengine.engine import Engine
-
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.utils import logger, set_z3_leaf_modules
-    from deepspeed.runtime.zero import partition_parameters
-    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from deepspeed.comm import is_initialized
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
-    from deepspeed import comm as dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from deepspeed.runtime.zero import partition_parameters
+    from deepspeed.utils import logger
+
+    import zeroengine
+    from zeroengine.engine import Engine
 
     out["engine_is_zeroengine"] = DeepSpeedEngine is Engine and deepspeed.DeepSpeedEngine is Engine
     out["initialize"] = deepspeed.initialize.__module__
@@ -52,8 +51,9 @@ if "--paths" in sys.argv:
     out["clone_is_a_copy"] = clone_tensors_for_torch_save({"a": torch.ones(2)})["a"].data_ptr() != 0
     out["same_module_both_names"] = sys.modules["deepspeed.runtime.engine"] is \
         sys.modules["zeroengine.integrations.ds_compat.runtime.engine"]
+    from accelerate.utils import compare_versions
+    from accelerate.utils import is_deepspeed_available as accelerate_available
     from transformers.integrations.deepspeed import is_deepspeed_available as hf_available
-    from accelerate.utils import compare_versions, is_deepspeed_available as accelerate_available
 
     out["transformers_sees_it"] = hf_available()
     out["accelerate_sees_it"] = accelerate_available() and compare_versions("deepspeed", ">=", "0.9.3")

@@ -6,13 +6,13 @@ zeroengine's own objects. With ``ZEROENGINE_AS_DEEPSPEED=1`` this package *is* `
 Only names the integrations reach are here, each the real zeroengine object or an equivalent documented
 in docs/integrations.md; anything else is an ImportError / AttributeError, never a stub.
 """
+from zeroengine import checkpointing, moe  # noqa: E402,F401
 from zeroengine.engine import Engine as DeepSpeedEngine
 from zeroengine.initialization import add_config_arguments
 from zeroengine.integrations.as_deepspeed import DEEPSPEED_VERSION as __version__
 
 from . import accelerator, checkpoint, comm, ops, runtime, utils, zero  # noqa: F401 (DeepSpeed's attributes)
 from .entry import init_distributed, initialize
-from zeroengine import checkpointing, moe  # noqa: E402,F401
 
 __version_major__, __version_minor__, __version_patch__ = (int(part) for part in __version__.split("."))
 __git_hash__ = None

@@ -3,7 +3,8 @@ zeroengine's C++ CPU Adam and CUDA fused Adam (accelerate builds ``DeepSpeedCPUA
 offloads the optimizer and the script brought its own)."""
 from __future__ import annotations
 
-from zeroengine.ops.adam import CPUAdam, FusedAdam as _FusedAdam
+from zeroengine.ops.adam import CPUAdam
+from zeroengine.ops.adam import FusedAdam as _FusedAdam
 
 
 def _refuse(name: str, value, default) -> None:
