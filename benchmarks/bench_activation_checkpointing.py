@@ -17,7 +17,7 @@ above what was alive before the forward (parameters, gradients, which exist
 from the warm-up, and optimizer state), so the optimizer's own temporaries
 are not counted. On CUDA it is ``torch.cuda.max_memory_allocated`` (after
 ``reset_peak_memory_stats``); on CPU, which has no allocator statistics, it
-is :class:`zeroengine.checkpointing.memory_probe.LiveTensorBytes` (every
+is :class:`zeroengine.activation_checkpointing.memory_probe.LiveTensorBytes` (every
 storage created, followed until freed) in one extra untimed step. Host bytes
 of the GPU run come from the same probe. ``predicted`` is what the issue
 promises: one block's activations plus L saved inputs, with one block's
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "examples" / "gpt"))
 from model import GPT, Block, GPTConfig  # noqa: E402
 
 from zeroengine import checkpointing  # noqa: E402
-from zeroengine.checkpointing.memory_probe import LiveTensorBytes  # noqa: E402
+from zeroengine.activation_checkpointing.memory_probe import LiveTensorBytes  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "activation_checkpointing.json"
 VARIANTS = ("none", "checkpoint", "checkpoint+cpu")

@@ -33,7 +33,7 @@ clipping) on 2 CPU ranks over gloo, one torch thread per rank.
   5e7 (one bucket for the whole model: no overlap) for comparison.
 * Memory. RSS is read before the model is built (after torch, the variant's
   library and the process group are up) and after the timed steps; the growth
-  is compared with DESIGN.md's fp32 model-state formula per rank (Ψ params,
+  is compared with docs/concepts.md's fp32 model-state formula per rank (Ψ params,
   N ranks): stage 0 (and DDP) 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N,
   stage 3 (and FSDP2) 16Ψ/N.
 * Stage 3 and FSDP2. ``ze-s3`` uses the fetch policy of
@@ -309,7 +309,7 @@ def finish_worlds(worlds: list[World], timeout: float) -> dict[str, list[dict]]:
 
 
 def formula_bytes(variant: Variant, psi: int, n: int) -> tuple[float, str]:
-    """DESIGN.md's fp32 model-state bytes per rank for this variant's stage."""
+    """docs/concepts.md's fp32 model-state bytes per rank for this variant's stage."""
     if variant.kind == "fsdp2" or variant.stage == 3:
         return 16.0 * psi / n, "16Ψ/N"
     if variant.kind == "ddp" or variant.stage == 0:
@@ -433,7 +433,7 @@ def print_memory_table(rows: list[dict]) -> None:
               f"{_fmt(row.get('rss_growth_cold_over_formula'), '.2f'):>9} "
               f"{_pair(row.get('rss_growth_after_malloc_trim_bytes')):>9} "
               f"{_fmt(row.get('rss_growth_after_malloc_trim_over_formula'), '.2f'):>9}")
-    print("All MiB per rank; pairs are rank 0 / rank 1, ratios use the larger rank. formula: DESIGN.md fp32 model\n"
+    print("All MiB per rank; pairs are rank 0 / rank 1, ratios use the larger rank. formula: docs/concepts.md fp32 model\n"
           "states (DDP: the stage-0 16Ψ; DDP also keeps 4Ψ of gradient buckets). states/bufs: zeroengine's\n"
           "memory_breakdown() between backward and step (params+grads+optimizer_states; its comm buffers).\n"
           "growth: RSS after the timed steps - RSS before the model was built, after a throwaway 2-step run of the\n"

@@ -1,6 +1,6 @@
 """zeroengine: a ZeRO-style, memory-optimizing training engine for PyTorch.
 
-Public API only; see DESIGN.md for the contract. Names are imported on first
+Public API only (docs/getting-started.md; the layers behind it: docs/architecture.md). Names are imported on first
 use, so ``python -m zeroengine.launcher.main`` (which needs none of them)
 starts without importing torch and the engine.
 """
@@ -17,7 +17,7 @@ _EXPORTS = {
     "initialize": "zeroengine.initialization",
 }
 _SUBMODULES = {"comm", "config", "ops", "testing", "zero", "optim", "precision", "launcher", "checkpointing", "checkpoint",
-               "moe"}
+               "activation_checkpointing", "integrations", "moe"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -155,7 +155,7 @@ def render_estimate(params: int, world: int) -> str:
             row = [estimate_memory(params, world, stage, opt, par, dtype) for dtype in (torch.float32, torch.bfloat16)]
             lines.append(f"{stage:<7}{name:<18}{row[0]['device'] / gib:>12.2f}{row[0]['cpu'] / gib:>10.2f}"
                          f"{row[1]['device'] / gib:>15.2f}{row[1]['cpu'] / gib:>12.2f}")
-    lines.append("activations, communication buckets and the allocator's slack come on top (DESIGN.md memory model)")
+    lines.append("activations, communication buckets and the allocator's slack come on top (docs/concepts.md, memory model)")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""``zeroengine.estimate_memory``: DESIGN.md's model-state formulas, before anything runs.
+"""``zeroengine.estimate_memory``: the model-state formulas of docs/concepts.md, before anything runs.
 
 Per rank, Ψ parameters, N data-parallel ranks. 16-bit training keeps 16-bit
 parameters and gradients plus an fp32 master copy; fp32 training has no master

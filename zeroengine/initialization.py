@@ -8,7 +8,7 @@ import sys
 import torch
 
 from zeroengine import comm
-from zeroengine.checkpointing.config import configure_from_initialize as configure_checkpointing
+from zeroengine.activation_checkpointing.config import configure_from_initialize as configure_checkpointing
 from zeroengine.config import ConfigError, load_config
 from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine

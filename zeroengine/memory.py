@@ -1,6 +1,6 @@
 """Accounting of the bytes a rank holds, by kind and by where they live.
 
-``Engine.memory_breakdown()`` returns the dict built here; DESIGN.md's memory
+``Engine.memory_breakdown()`` returns the dict built here; docs/concepts.md's memory
 formulas are checked against it.
 """
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_quick_run_reports_every_variant_with_finite_numbers(tmp_path):
     assert rows["ddp"]["ratio_to_ddp"] == 1.0
     for name in ("ze-s0", "ze-s1", "ze-s2", "ze-s3", "ze-s3+init"):
         # memory_breakdown() is there, and (up to alignment padding, and stage 3's few persistent
-        # LayerNorm/bias vectors) DESIGN.md's formula
+        # LayerNorm/bias vectors) docs/concepts.md's formula
         assert abs(rows[name]["model_states_over_formula"] - 1.0) < 0.1, (name, rows[name]["model_states_over_formula"])
     # stage 3 prefetched its gathers, and zeroengine rows carry their step ratio to FSDP2
     fetch = rows["ze-s3"]["comm"]["stage3_fetch"]

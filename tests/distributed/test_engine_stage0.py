@@ -54,7 +54,7 @@ def test_memory_breakdown_matches_design_formula(dtype):
     assert mem["master_params"] == (0 if dtype == "fp32" else 4 * psi)
     assert mem["optimizer_states"] == 8 * psi
     total = sum(mem[k] for k in ("params", "grads", "optimizer_states", "master_params"))
-    assert total == 16 * psi  # DESIGN.md: stage 0 holds 16 bytes per parameter in both precisions
+    assert total == 16 * psi  # docs/concepts.md: stage 0 holds 16 bytes per parameter in both precisions
     assert mem["cpu"] == total + mem["buffers"] and mem["device"] == 0
 
 

@@ -84,7 +84,7 @@ def test_a_model_whose_training_state_exceeds_a_ranks_share_trains_under_init():
     world = 4
     for peak, states, losses in run_distributed(_build_and_train, world):
         assert all(torch.isfinite(torch.tensor(losses)))
-        # the rank's model states are its 1/N share of the full training state (DESIGN.md: 16Ψ/N) ...
+        # the rank's model states are its 1/N share of the full training state (docs/concepts.md: 16Ψ/N) ...
         assert abs(states - FULL_STATE / world) <= 0.05 * FULL_STATE / world, (states, FULL_STATE)
         # ... and the process never held much more: well under half of the full state at any moment
         assert peak < 0.5 * FULL_STATE, (peak / 2**20, FULL_STATE / 2**20)

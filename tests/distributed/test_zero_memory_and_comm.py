@@ -1,4 +1,4 @@
-"""Stages 1-3: memory_breakdown() against DESIGN.md's formulas, and bytes on the wire per step."""
+"""Stages 1-3: memory_breakdown() against docs/concepts.md's formulas, and bytes on the wire per step."""
 import pytest
 import torch
 from parity import base_config, global_batches, make_model
@@ -7,7 +7,7 @@ import zeroengine
 from zeroengine import comm
 from zeroengine.testing import run_distributed
 
-# DESIGN.md, model states per rank in bytes per parameter: (replicated, sharded over N)
+# docs/concepts.md, model states per rank in bytes per parameter: (replicated, sharded over N)
 FORMULA = {
     ("fp32", 1): (8, 8), ("fp32", 2): (4, 12), ("fp32", 3): (0, 16),
     ("bf16", 1): (4, 12), ("bf16", 2): (2, 14), ("bf16", 3): (0, 16),

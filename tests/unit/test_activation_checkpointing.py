@@ -233,7 +233,7 @@ def test_an_autocast_around_backward_only_stays_out_of_the_recompute():
 def test_stashed_inputs_are_freed_after_backward_and_the_arena_does_not_grow():
     # Before, the lease went back only when the node died: in a usual loop the previous loss keeps it alive,
     # so every step took a new slot and the contiguous buffer doubled again and again.
-    from zeroengine.checkpointing.storage import arenas
+    from zeroengine.activation_checkpointing.storage import arenas
 
     checkpointing.configure(partition_activations=True, cpu_checkpointing=True, contiguous_memory_optimization=True,
                             number_checkpoints=1)

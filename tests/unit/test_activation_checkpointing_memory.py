@@ -6,8 +6,8 @@ import torch
 from model import GPT, Block, GPTConfig
 
 from zeroengine import checkpointing
-from zeroengine.checkpointing import storage
-from zeroengine.checkpointing.memory_probe import LiveTensorBytes
+from zeroengine.activation_checkpointing import storage
+from zeroengine.activation_checkpointing.memory_probe import LiveTensorBytes
 
 B, T, D = 4, 128, 64
 

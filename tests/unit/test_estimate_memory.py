@@ -1,4 +1,4 @@
-"""zeroengine.estimate_memory against DESIGN.md's table (the distributed tests check it against memory_breakdown)."""
+"""zeroengine.estimate_memory against docs/concepts.md's table (the distributed tests check it against memory_breakdown)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""The names DESIGN.md fixes are importable and are what they claim to be."""
+"""The public names (the project's design contract fixes them) are importable and are what they claim to be."""
 import argparse
 import inspect
 

@@ -1,18 +1,26 @@
-"""Activation checkpointing: keep segment inputs, recompute activations in backward.
+"""``zeroengine.checkpointing``: DeepSpeed's name (``deepspeed.checkpointing``) for activation checkpointing,
+which lives in :mod:`zeroengine.activation_checkpointing`; the same functions and the same settings.
 
-    from zeroengine import checkpointing
-    checkpointing.configure(mpu, partition_activations=True, checkpoint_in_cpu=True)
-    y = checkpointing.checkpoint(block, x, mask)          # or:
-    checkpointing.checkpoint_modules(model, TransformerBlock)
-
-``zeroengine.initialize(..., mpu=mpu)`` calls ``configure`` from the config's
-``activation_checkpointing`` section. See docs/activation-checkpointing.md.
+Not to be confused with :mod:`zeroengine.checkpoint` (saving and loading training state).
 """
-from .checkpoint import CheckpointFunction, checkpoint, is_recomputing
-from .config import Settings, configure, current, is_configured, reset
-from .profile import format_profile, profile_report, reset_profile
-from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from .wrap import checkpoint_modules, uncheckpoint_modules
+from zeroengine.activation_checkpointing import (
+    CheckpointFunction,
+    RNGStatesTracker,
+    Settings,
+    checkpoint,
+    checkpoint_modules,
+    configure,
+    current,
+    format_profile,
+    get_cuda_rng_tracker,
+    is_configured,
+    is_recomputing,
+    model_parallel_cuda_manual_seed,
+    profile_report,
+    reset,
+    reset_profile,
+    uncheckpoint_modules,
+)
 
 __all__ = [
     "CheckpointFunction", "RNGStatesTracker", "Settings", "checkpoint", "checkpoint_modules", "configure",

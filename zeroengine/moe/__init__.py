@@ -1,6 +1,6 @@
 """Mixture of Experts: top-k gates, expert parallelism over all-to-all, fused token permutation.
 
-Public: :class:`MoE` (DESIGN.md), :class:`TopKGate` and :class:`GateOutput` (for
+Public: :class:`MoE` (DeepSpeed's signature), :class:`TopKGate` and :class:`GateOutput` (for
 custom routers), the process groups (:func:`expert_groups`), and what ZeRO and
 checkpoints need about expert parameters (:func:`is_expert_param`,
 :func:`expert_data_parallel_group`, :func:`expert_checkpoint_places`).

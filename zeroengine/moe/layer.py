@@ -25,9 +25,9 @@ class MoE(nn.Module):
     assignments routed to each expert from this rank's tokens (before capacity).
 
     The constructor is collective when ``ep_size > 1`` (it may create process
-    groups; see :mod:`zeroengine.moe.groups`). Beyond DESIGN.md's arguments:
+    groups; see :mod:`zeroengine.moe.groups`). Beyond DeepSpeed's arguments:
     ``gate`` replaces the router by any module returning a
-    :class:`~zeroengine.moe.gate.GateOutput`; ``second_expert_policy`` and
+    :class:`~zeroengine.moe.routing.GateOutput`; ``second_expert_policy`` and
     ``z_loss_coef`` go to :class:`~zeroengine.moe.gate.TopKGate`; ``impl``
     picks the permutation kernels (``"auto"``, ``"kernel"``, ``"torch"``).
     ``expert_layout="stacked"`` holds standard-MLP experts as stacked ``[E_local, ...]``

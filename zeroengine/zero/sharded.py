@@ -4,7 +4,7 @@ The optimizer never sees a model parameter. It steps *pieces*: for every
 bucket, this rank's chunk split at parameter boundaries, each piece put in
 the torch param group its parameter belonged to (so per-group lr and weight
 decay hold). In fp32 training a piece is a view into the flat parameter
-buffer, so stepping it updates the model in place (no master copy: DESIGN.md's
+buffer, so stepping it updates the model in place (no master copy: docs/concepts.md's
 K = 8); in 16-bit training it is a view into an fp32 master chunk. After the
 step, each bucket's updated chunks are all-gathered into every rank's
 parameters. Stage 1 and stage 2 differ only in their gradient store

@@ -32,7 +32,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from zeroengine.checkpointing.checkpoint import register_recompute_context
+from zeroengine.activation_checkpointing.checkpoint import register_recompute_context
 
 from .external import external_parameters, unwatch_registrations, watch_registrations
 from .layout import Bucket
