@@ -9,4 +9,4 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "[install] torch not found: installing torch==2.13.0"
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
-"$PY" -m pip install --quiet -e ".[test]"
+"$PY" -m pip install --quiet -e ".[test,example]"

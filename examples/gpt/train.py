@@ -1,4 +1,5 @@
-"""Train the example GPT with zeroengine. Run it through the launcher:
+"""Train the example GPT with zeroengine, byte by byte on real text every machine has (the Python standard
+library's own source), and print a sample from it at the end. Run it through the launcher:
 
     zeroengine --num_procs 2 examples/gpt/train.py --zeroengine_config examples/gpt/config.json
 
@@ -19,13 +20,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import GPT, GPTConfig, SyntheticTokens  # noqa: E402
+from text_data import PythonSourceBytes, sample  # noqa: E402
 
 import zeroengine  # noqa: E402
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description="zeroengine example: a small GPT on synthetic tokens")
-    parser.add_argument("--steps", type=int, default=60,
+    parser = argparse.ArgumentParser(description="zeroengine example: a small byte-level GPT on Python source")
+    parser.add_argument("--steps", type=int, default=300,
                         help="train until this many optimizer steps in all (with --resume: counting the resumed ones)")
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=128)
@@ -33,6 +35,9 @@ def parse_args():
     parser.add_argument("--block_size", type=int, default=64)
     parser.add_argument("--vocab_size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--data", choices=("python-source", "synthetic"), default="python-source",
+                        help="the standard library's .py files as bytes, or tokens from a random bigram chain")
+    parser.add_argument("--sample_bytes", type=int, default=200, help="bytes to sample from the model at the end")
     parser.add_argument("--moe", action="store_true", help="MoE variant (examples/gpt/moe_model.py)")
     parser.add_argument("--num_experts", type=int, default=4)
     parser.add_argument("--ep_size", type=int, default=1, help="ranks the experts of one MoE layer spread over")
@@ -55,7 +60,13 @@ def main():
         model = MoEGPT(cfg, MoEConfig(num_experts=args.num_experts, ep_size=args.ep_size, k=args.top_k))
     else:
         model = GPT(cfg)
-    data = SyntheticTokens(num_samples=8192, block_size=args.block_size, vocab_size=args.vocab_size, seed=args.seed)
+    if args.data == "python-source":
+        if args.vocab_size != 256:
+            raise SystemExit("--data python-source is byte-level: --vocab_size must be 256")
+        data = PythonSourceBytes(args.block_size)
+    else:
+        data = SyntheticTokens(num_samples=8192, block_size=args.block_size, vocab_size=args.vocab_size,
+                               seed=args.seed)
     engine, _, loader, _ = zeroengine.initialize(args=args, model=model, training_data=data)
     rank0 = engine.global_rank == 0
     if rank0:
@@ -105,6 +116,11 @@ def main():
         print(f"done: {engine.global_steps - first_step} steps in {elapsed:.1f}s | {tokens / elapsed:,.0f} tokens/s | "
               f"loss {first:.3f} -> {last:.3f}", flush=True)
         print("memory per rank: " + ", ".join(f"{k} {v / 2**20:.1f}MiB" for k, v in mem.items()), flush=True)
+    if args.data == "python-source" and args.sample_bytes > 0:
+        engine.eval()  # every rank samples the same bytes (at stage 3 they run the same forwards); rank 0 prints
+        text = sample(engine, b"def ", args.sample_bytes, args.block_size, engine.device, seed=args.seed)
+        if rank0:
+            print("sample:\n" + text.decode("utf-8", errors="replace"), flush=True)
     zeroengine.comm.shutdown()
     # The run's own check that it learned: only over 10 steps or more (with fewer, the first and last five
     # overlap), and not on a resume, whose learning rate may already be at its end (WarmupDecayLR reaches

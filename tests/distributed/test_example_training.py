@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from zeroengine.testing import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,6 +28,7 @@ def test_example_trains_on_two_processes():
     text = out.stdout + out.stderr
     assert "world 2" in text and "done: 20 steps" in text, text[-3000:]
     assert "tokens/s" in text and "memory per rank" in text
+    assert "sample:\ndef " in text  # byte-level text from the trained model, from the prompt "def "
 
 
 def test_two_node_launchers_on_loopback_form_one_world_of_four():
@@ -36,3 +39,14 @@ def test_two_node_launchers_on_loopback_form_one_world_of_four():
     outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outputs
     assert "world 4" in outputs[0] and "done: 20 steps" in outputs[0], outputs[0][-3000:]
+
+
+def test_the_example_reads_the_python_standard_library_as_bytes():
+    sys.path.insert(0, os.path.join(REPO, "examples", "gpt"))
+    from text_data import PythonSourceBytes
+
+    data = PythonSourceBytes(block_size=32, max_bytes=100_000)
+    x, y = data[3]
+    assert len(data) == (100_000 - 1) // 32 and x.shape == y.shape == (32,)
+    assert torch.equal(x[1:], y[:-1]) and int(x.max()) < 256  # targets are the inputs shifted by one byte
+    assert b"import" in bytes(torch.cat([data[i][0] for i in range(50)]).tolist())  # it is Python source
