@@ -141,14 +141,6 @@ def install() -> None:
         accelerate_cpu.patch_partial_state(sys.modules[accelerate_cpu.MODULE])
 
 
-def uninstall() -> None:
-    """Remove the finder and forget every ``deepspeed`` module it resolved (for tests)."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, DeepSpeedAliasFinder)]
-    for name in [n for n in sys.modules if n == ALIAS or n.startswith(ALIAS + ".")]:
-        if getattr(sys.modules[name], "__name__", "").startswith(TARGET):
-            del sys.modules[name]
-
-
 def active() -> bool:
     """Whether the finder is installed in this interpreter."""
     return any(isinstance(finder, DeepSpeedAliasFinder) for finder in sys.meta_path)
