@@ -173,8 +173,8 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready,
                                       on_stray_pass_over=hooks.release_all)
     sharded = _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, trainable.params,
-                        fp32_values, grad_store, group_of, after_backward=hooks.release_all, cls=Stage3Optimizer)
-    sharded.hooks, sharded.frozen_params = hooks, frozen_buffer
+                        fp32_values, grad_store, group_of, after_backward=hooks.release_all, cls=Stage3Optimizer,
+                        hooks=hooks, frozen_params=frozen_buffer)
     if frozen_buffer is not None:
         for bucket in frozen_buffer.layout.buckets:
             for slot in bucket.slots:
@@ -209,11 +209,12 @@ def _cast_floating_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, params, fp32_values, grad_store,
-              group_of, after_backward=None, cls=ShardedOptimizer) -> ShardedOptimizer:
+              group_of, after_backward=None, cls=ShardedOptimizer, **stage_parts) -> ShardedOptimizer:
     """What stages 1-3 share once parameters and gradients have their homes: the sharded optimizer,
-    its param groups, and the registry GatheredParameters and the full-value helpers use."""
+    its param groups, and the registry GatheredParameters and the full-value helpers use. ``stage_parts``:
+    what ``cls`` alone takes (stage 3's hooks and frozen-parameter buffer)."""
     sharded = cls(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store,
-                  buffer.rank, after_backward=after_backward, offload=zero_config.offload_optimizer)
+                  buffer.rank, after_backward=after_backward, offload=zero_config.offload_optimizer, **stage_parts)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
     for bucket in buffer.layout.buckets:
         for slot in bucket.slots:

@@ -39,6 +39,10 @@ class ParamBuffer:
     def full_shape(self, index: int) -> torch.Size:
         return self.shapes[index]
 
+    def check_attached(self) -> None:
+        """Raise if the model's parameters no longer live in this buffer. Nothing to check here: stage 3's
+        parameters refuse a cast or move themselves (their class guards them); stages 1-2 override it."""
+
 
 class FlatParamBuffer(ParamBuffer):
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,

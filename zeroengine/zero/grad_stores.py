@@ -132,6 +132,9 @@ class FullGradStore:
     def remove_hooks(self) -> None:
         """Nothing to take off: stage 1's gradients land in views of its flat buffer, with no hooks."""
 
+    def cancel_backward(self) -> None:
+        """The backward raised: nothing to undo, stage 1 reduces only once the boundary backward is over."""
+
     def _grad_view(self, slot) -> torch.Tensor:
         p = self.flat_params.params[slot.index]
         return self.flat_grads[slot.flat_start:slot.flat_end].view(p.shape)

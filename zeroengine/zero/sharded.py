@@ -62,8 +62,7 @@ class ShardedOptimizer(ZeroOptimizer):
             buckets=host)
         self.resident_buckets = [b.index for b in buckets if not self.on_host(b.index)]
         self._inv_scale, self._clip_coef = 1.0, 1.0
-        self._refreshing: list = []  # stages 1-2: all-gathers of updated buckets started by the offloaded step
-        self._written: set[int] = set()  # stage 3: buckets the offloaded step already wrote into the shard
+        self._refreshing: list = []  # all-gathers of updated buckets started by the offloaded step
         self._fp32_chunk_grads: list[torch.Tensor] = []  # resident buckets' unscaled fp32 gradients
         self._host_grads: list[torch.Tensor] = []  # offloaded buckets' gradients, still loss-scaled
         self._after_backward = after_backward
@@ -116,15 +115,11 @@ class ShardedOptimizer(ZeroOptimizer):
 
     # -- ZeroOptimizer pieces ---------------------------------------------------
     def begin_backward(self, is_boundary: bool) -> None:
-        check = getattr(self.flat_params, "check_attached", None)  # stages 1-2 (stage 3's params are guarded)
-        if check is not None:
-            check()
+        self.flat_params.check_attached()
         self.grad_store.begin_backward(is_boundary)
 
     def cancel_backward(self) -> None:
-        cancel = getattr(self.grad_store, "cancel_backward", None)
-        if cancel is not None:
-            cancel()
+        self.grad_store.cancel_backward()
         if self._after_backward is not None:  # stage 3: free what the failed pass had gathered
             self._after_backward()
 
@@ -195,29 +190,29 @@ class ShardedOptimizer(ZeroOptimizer):
         """After the resident buckets stepped: stream the offloaded ones through the CPU optimizer."""
         if self.offloaded_step is None:
             return
-        buckets = self.layout.buckets
-        refresh = getattr(self.flat_params, "start_refresh", None)
-        if refresh is not None:  # stages 1-2: all-gather each update while the CPU steps the next bucket
-            for b in self.resident_buckets:  # final already: send them first
-                self._refreshing.append(refresh(buckets[b], self.chunks[b]))
+        self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef,
+                                self._offloaded_bucket_sink())
 
-            def bucket_done(b, values):
-                self._refreshing.append(refresh(buckets[b], values))
-                return self._refreshing[-1].wait_read
-        else:  # stage 3: into this rank's shard at once (the staging buffer is written again soon)
-            def bucket_done(b, values):
-                self._written.add(b)
-                return self.flat_params.write_chunk(buckets[b], values)
-        self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef, bucket_done)
+    def _offloaded_bucket_sink(self):
+        """What to do with each bucket the offloaded step finishes (``bucket_done(b, values)``). Stages 1-2:
+        all-gather each update while the CPU steps the next bucket (the resident ones, final already, first)."""
+        buckets, refresh = self.layout.buckets, self.flat_params.start_refresh
+        for b in self.resident_buckets:
+            self._refreshing.append(refresh(buckets[b], self.chunks[b]))
+
+        def bucket_done(b, values):
+            self._refreshing.append(refresh(buckets[b], values))
+            return self._refreshing[-1].wait_read
+
+        return bucket_done
 
     def _refresh_model_params(self) -> None:
-        # Stages 1-2 all-gather the updated chunks; stage 3 only refreshes its local shard.
+        # Stages 1-2 all-gather the updated chunks (Stage3Optimizer: only its local shard).
         if self._refreshing:  # the offloaded step already started every bucket's refresh
             pending, self._refreshing = self._refreshing, []
             self.flat_params.finish_refresh(pending)
             return
-        written, self._written = self._written, set()
-        self.flat_params.after_step([None if b in written else chunk for b, chunk in enumerate(self.chunks)])
+        self.flat_params.after_step(self.chunks)
 
     def remove_hooks(self) -> None:
         self.grad_store.remove_hooks()

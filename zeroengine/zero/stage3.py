@@ -64,10 +64,28 @@ def persistent_buckets(layout, persistent_from: int) -> frozenset[int]:
 
 
 class Stage3Optimizer(ShardedOptimizer):
-    """:class:`ShardedOptimizer` plus stage 3's hooks and frozen-parameter buffer (for accounting and stats)."""
+    """:class:`ShardedOptimizer` over a partitioned buffer: an update goes into this rank's shard only (the
+    hooks gather it when a module next runs). Holds stage 3's hooks and the frozen-parameter buffer (for
+    accounting, stats and ``remove_hooks``)."""
 
-    hooks = None
-    frozen_params = None
+    def __init__(self, *args, hooks=None, frozen_params=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hooks = hooks
+        self.frozen_params = frozen_params
+        self._written: set[int] = set()  # buckets the offloaded step already wrote into the shard
+
+    def _offloaded_bucket_sink(self):
+        """Each bucket the offloaded step finishes goes into this rank's shard at once (its staging buffer is
+        written again soon)."""
+        def bucket_done(b, values):
+            self._written.add(b)
+            return self.flat_params.write_chunk(self.layout.buckets[b], values)
+
+        return bucket_done
+
+    def _refresh_model_params(self) -> None:
+        written, self._written = self._written, set()
+        self.flat_params.after_step([None if b in written else chunk for b, chunk in enumerate(self.chunks)])
 
     def fetch_stats(self) -> dict:
         """Gathers issued, prefetches, live elements (both buffers share one FetchStats)."""
