@@ -17,7 +17,10 @@ def test_the_start_up_hook_is_installed_with_the_package():
     path = as_deepspeed.startup_hook_installed()
     assert path is not None, "zeroengine_as_deepspeed.pth missing from site-packages: reinstall zeroengine"
     with open(path) as f:
-        assert "ZEROENGINE_AS_DEEPSPEED" in f.read()
+        hook = f.read()
+    # The hook reads the variable itself (importing zeroengine only when it is on): as requested() does.
+    off_values = "not in (" + ", ".join(f'"{v}"' for v in as_deepspeed.OFF_VALUES) + ")"
+    assert "ZEROENGINE_AS_DEEPSPEED" in hook and off_values in hook
 
 
 def test_without_the_switch_deepspeed_is_the_real_package_or_missing():

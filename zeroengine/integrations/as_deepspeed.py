@@ -38,13 +38,13 @@ DEEPSPEED_VERSION = "0.16.4"
 
 ALIAS = "deepspeed"
 TARGET = "zeroengine.integrations.ds_compat"
-_OFF_VALUES = ("", "0", "false", "no", "off")
+OFF_VALUES = ("", "0", "false", "no", "off")
 
 
 def requested(environ=None) -> bool:
     """Whether the environment asks for the switch (``ZEROENGINE_AS_DEEPSPEED`` set and not 0/false/no/off)."""
     value = (os.environ if environ is None else environ).get(ENV_VAR, "")
-    return value.strip().lower() not in _OFF_VALUES
+    return value.strip().lower() not in OFF_VALUES
 
 
 def _target_name(fullname: str) -> str | None:
@@ -135,7 +135,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Put the alias finder first on ``sys.meta_path`` (idempotent). A real ``deepspeed`` imported before
     this call stays as it is in ``sys.modules``: switch on before anything imports it (the .pth does)."""
-    if not any(isinstance(finder, DeepSpeedAliasFinder) for finder in sys.meta_path):
+    if not active():
         sys.meta_path.insert(0, DeepSpeedAliasFinder())
     if accelerate_cpu.MODULE in sys.modules:  # imported before the switch: patch it where it is
         accelerate_cpu.patch_partial_state(sys.modules[accelerate_cpu.MODULE])
