@@ -89,20 +89,28 @@ def throughput_runs(models: list[str], micro: int) -> list[dict]:
         # partial optimizer offload (half the Adam state on the GPU), and parameters offloaded too
         runs.append({"name": name, "stage": 3, "dtype": "bf16", "offload_optimizer": True, "ratio": 0.5})
         runs.append({"name": name, "stage": 3, "dtype": "bf16", "offload_optimizer": True, "offload_param": True})
+        for stage in (0, 3):  # engine.compile(): each block's forward under torch.compile
+            runs.append({"name": name, "stage": stage, "dtype": "bf16", "compile": True})
+        # stage 3 eager, each block's parameters gathered as one fetch (compile's grouping, without compiling)
+        runs.append({"name": name, "stage": 3, "dtype": "bf16", "fetch_blocks": True})
     for r in runs:
         r.update(model=MODELS[r["name"]], micro=micro)
     return runs
 
 
 def run_label(spec: dict) -> str:
-    """``name/s<stage>/<dtype>[/offload[@<ratio>]][/params]``, e.g. ``1.3b/s3/bf16/offload@0.5``: what ``--only``
-    matches against."""
+    """``name/s<stage>/<dtype>[/offload[@<ratio>]][/params][/compile]``, e.g. ``1.3b/s3/bf16/offload@0.5``: what
+    ``--only`` matches against."""
     label = f"{spec['name']}/s{spec['stage']}/{spec['dtype']}"
     if spec.get("offload_optimizer"):
         ratio = spec.get("ratio", 1.0)
         label += "/offload" + ("" if ratio == 1.0 else f"@{ratio}")
     if spec.get("offload_param"):
         label += "/params"
+    if spec.get("compile"):
+        label += "/compile"
+    if spec.get("fetch_blocks"):
+        label += "/blocks"
     return label
 
 

@@ -15,9 +15,11 @@
 #   throughput  the 1.3B GPT at stages 0-3 (bf16), stage 2 fp16, stage 3 with optimizer offload    ~7 min
 #   largest     3.43B (24 layers at width 4096) without offload, 10.7B (52 layers) with offload    ~9 min
 #   smoke       the tiny model through bench_gpu (checks the setup in ~1 min)
+#   compile     issue 23 in one call: the no-sync test, then 350m and 1.3b (bf16) at stage 3 eager, compiled
+#               (engine.compile) and with per-block fetches, and 1.3b stage 0 eager and compiled      ~8 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke}
+PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile}
 RESULTS=${OUT:-benchmarks/results/gpu_session}
 mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
@@ -63,11 +65,18 @@ case "$PHASE" in
     timeout "$(left)" "$PY" benchmarks/bench_gpu.py --largest --layers 24 --offload_layers 52 --timeout 420 \
       --out "$RESULTS/gpu_largest.json" 2>&1 | tail -8
     ;;
+  compile)
+    timeout 150 "$PY" -m pytest -q -rs tests/gpu/test_no_sync.py --junitxml="$RESULTS/no_sync.xml" 2>&1 \
+      | tee "$RESULTS/no_sync.log" | tail -8
+    timeout "$(left)" "$PY" benchmarks/bench_gpu.py --models 1.3b,350m --timeout 170 --warmup 3 --steps 5 \
+      --only '1.3b/s3/bf16,1.3b/s0/bf16,1.3b/s3/bf16/compile,1.3b/s0/bf16/compile,350m/s3/bf16,350m/s3/bf16/blocks,350m/s3/bf16/compile' \
+      --out "$RESULTS/gpu_compile.json" 2>&1 | tail -14
+    ;;
   smoke)
     timeout "$(left)" "$PY" benchmarks/bench_gpu.py --quick --out "$RESULTS/gpu_quick.json" 2>&1 | tail -14
     ;;
   *)
-    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke)" >&2
+    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile)" >&2
     exit 2
     ;;
 esac

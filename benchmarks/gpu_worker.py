@@ -5,7 +5,7 @@
 A fresh process per run keeps CUDA memory statistics, the allocator and any
 out-of-memory failure to that run alone.
 
-Spec keys besides the model: ``stage``, ``dtype``, ``micro``, ``offload_optimizer``,
+Spec keys besides the model: ``stage``, ``dtype``, ``micro``, ``compile`` (engine.compile()), ``offload_optimizer``,
 ``offload_param``, ``ratio`` (offload_optimizer.ratio, or "auto": the share of
 the Adam state the host's available memory holds, see ``auto_ratio``) and
 ``init`` (build under zero.Init on the GPU with the slices in CPU memory, so
@@ -87,11 +87,17 @@ def run(spec: dict) -> dict:
         "zero_optimization": zero,
     }
     engine, _, _, _ = zeroengine.initialize(model=model, config=config)
+    if spec.get("compile"):  # each block's forward under torch.compile; the first step compiles
+        engine.compile()
+    elif spec.get("fetch_blocks"):  # stage 3, eager: gather each block's parameters as one (what compile does)
+        from zeroengine.compilation import find_blocks
+
+        engine.optimizer.hooks.fetch_whole(find_blocks(engine.module))
     build_s = time.perf_counter() - t0
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randint(cfg.vocab_size, (spec["micro"], cfg.block_size), device="cuda", generator=g)
     y = torch.randint(cfg.vocab_size, (spec["micro"], cfg.block_size), device="cuda", generator=g)
-    times, losses = [], []
+    times, losses, first_step_s = [], [], None
     for i in range(spec["warmup"] + spec["steps"]):
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -102,12 +108,15 @@ def run(spec: dict) -> dict:
         torch.cuda.synchronize()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - start)
+        elif i == 0:
+            first_step_s = time.perf_counter() - start  # with compile: mostly compiling
     times.sort()
     step_s = times[len(times) // 2]
     tokens = spec["micro"] * cfg.block_size
     mem = engine.memory_breakdown()
     return {
-        **spec, "params": params, "build_s": round(build_s, 2), "step_s": step_s,
+        **spec, "params": params, "build_s": round(build_s, 2), "first_step_s": first_step_s and round(first_step_s, 2),
+        "step_s": step_s,
         "tokens_per_s": tokens / step_s, "model_tflops": flops_per_token(cfg, params) * tokens / step_s / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses,
         "finite": all(l == l and abs(l) != float("inf") for l in losses),

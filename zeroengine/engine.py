@@ -61,6 +61,7 @@ class Engine(torch.nn.Module):
         self._log = get_logger()
         self.monitor = None  # a zeroengine.monitor.StepRecorder, set by initialize() when the config enables one
         self._destroyed = False
+        self._compiled = False
 
     # -- the DeepSpeed-style accessors ---------------------------------------
     @property
@@ -149,10 +150,33 @@ class Engine(torch.nn.Module):
 
     half = float = double = bfloat16 = cuda = cpu = type = _refuse_cast
 
+    # -- torch.compile (zeroengine.compilation) --------------------------------
+    def compile(self, backend="inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile the model block by block with ``torch.compile(backend=backend, **compile_kwargs)`` (DeepSpeed's
+        signature), at any ZeRO stage; ZeRO's hooks stay outside the compiled regions (stage 3 then gathers
+        each block's parameters at once, as FSDP2 does). Every rank calls it, between steps. A second call
+        does nothing (as DeepSpeed: it warns)."""
+        from zeroengine import compilation
+
+        self._refuse_if_destroyed("compile")
+        compilation.check_supported(schedule, compiled_autograd_enabled)
+        if self._compiled:
+            self._log.warning("engine.compile(): the model is already compiled; nothing to do")
+            return
+        targets = compilation.compile_targets(self.module, self.zero_stage)
+        if self.zero_stage == 3:
+            self.optimizer.hooks.fetch_whole([t for t in targets if t is not self.module])
+        for target in targets:
+            compilation.compile_forward(target, backend, dict(compile_kwargs or {}))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran (DeepSpeed's property)."""
+        return self._compiled
+
     # nn.Module methods that would act on the engine behind its buffers' back: refused, with the way that works.
-    def compile(self, *args, **kwargs):
-        raise RuntimeError("engine.compile() is not supported: torch.compile(model) before initialize works at "
-                           "stages 0-2; at stage 3 it is not supported (the partitioned parameters cannot be traced)")
 
     def load_state_dict(self, *args, **kwargs):
         raise RuntimeError("engine.load_state_dict() is not supported: the optimizer's master copies would keep the "
@@ -189,7 +213,7 @@ class Engine(torch.nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("engine.backward expects a scalar loss tensor (reduce it with .mean() or .sum() first)")
         self._time("backward", start=True)
-        self._meter.add_loss(float(loss.detach()))
+        self._meter.add_loss(loss, for_step=self.monitor is not None)  # stays on the device until printed
         scaled = loss.float() / self.gradient_accumulation_steps() if scale_wrt_gas else loss.float()
         if self.optimizer.loss_scaler is not None:
             scaled = scaled * self.optimizer.loss_scale
@@ -202,7 +226,13 @@ class Engine(torch.nn.Module):
         except BaseException:
             self.optimizer.cancel_backward()
             raise
-        self.optimizer.finish_backward(boundary)
+        try:
+            self.optimizer.finish_backward(boundary)
+        except BaseException:
+            # Nothing this pass reduced can be trusted (stage 3: ranks ran different modules): no step uses it.
+            self.optimizer.zero_grad()
+            self._backward_since_step = False
+            raise
         self._time("backward", start=False)
         return loss
 
@@ -355,7 +385,9 @@ class Engine(torch.nn.Module):
     def _report_progress(self) -> None:
         # Every rank takes part in the loss average (one tiny collective per print).
         local_loss, rate = self._meter.close_window()
-        loss = comm.all_reduce_scalar(local_loss) / self.world_size
+        total = local_loss.reshape(1).to(comm.device_for_backend(), torch.float64)
+        comm.all_reduce(total)
+        loss = float(total) / self.world_size  # the print's one host read
         if self.global_rank != 0:
             return
         fp16 = self.optimizer.loss_scaler is not None

@@ -111,9 +111,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         isinstance(model, torch._dynamo.eval_frame.OptimizedModule)  # torch.compile(model)
         or getattr(model, "_compiled_call_impl", None) is not None)  # model.compile()
     if cfg.zero_optimization.stage == 3 and compiled:
-        raise ValueError("torch.compile(model) is not supported at ZeRO stage 3: the partitioned parameters hold "
-                         "values only while their module runs, which tracing cannot follow; pass the model "
-                         "uncompiled, or compile it at stages 0-2")
+        raise ValueError("torch.compile(model) is not supported at ZeRO stage 3 before initialize: the partitioned "
+                         "parameters hold values only while their module runs, which tracing the whole model "
+                         "cannot follow; pass the model uncompiled and call engine.compile() (or set "
+                         "\"compile\": {\"enabled\": true}), which compiles each block with the gathering "
+                         "outside the compiled regions")
     configure_checkpointing(cfg, mpu)
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()
@@ -143,6 +145,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank)
     engine.monitor = build_recorder(cfg.monitor, comm.get_rank())
+    if cfg.compile.enabled:
+        engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn=collate_fn,

@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 
 import psutil
+import torch
 
 from zeroengine.memory import format_bytes
 
@@ -81,37 +82,61 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class _LossSum:
+    """A running sum of scalar losses kept where they were computed: adding one launches a tiny add on the
+    device and never waits for it; the host reads the sum only when asked (a print, a monitor row)."""
+
+    def __init__(self) -> None:
+        self.total = None
+        self.count = 0
+
+    def add(self, loss) -> None:
+        value = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss),
+                                                                                                   dtype=torch.float64)
+        self.total = value if self.total is None else self.total + value
+        self.count += 1
+
+    def take_mean(self) -> float:
+        """The mean so far (NaN if none; one host read of a device value); starts a new sum."""
+        return float(self.take_mean_tensor())
+
+    def take_mean_tensor(self) -> torch.Tensor:
+        """The mean so far as a float64 tensor where the losses were (NaN if none; no host read); starts a new
+        sum."""
+        total, count = self.total, self.count
+        self.total, self.count = None, 0
+        return total / count if count else torch.tensor(float("nan"), dtype=torch.float64)
+
+
 class ProgressMeter:
     """Averages the loss over a print window and measures throughput."""
 
     def __init__(self, samples_per_step: int) -> None:
         self.samples_per_step = samples_per_step
-        self.loss_sum = 0.0
-        self.loss_count = 0
+        self._window = _LossSum()
+        self._step = _LossSum()  # this optimizer step's micro-batch losses (for the monitors)
         self.window_start = time.perf_counter()
         self.window_steps = 0
-        self._step_loss = [0.0, 0]  # sum and count of this optimizer step's micro-batch losses (for the monitors)
 
-    def add_loss(self, value: float) -> None:
-        self.loss_sum += value
-        self.loss_count += 1
-        self._step_loss[0] += value
-        self._step_loss[1] += 1
+    def add_loss(self, loss, for_step: bool = True) -> None:
+        """Add a micro-batch's loss (a tensor stays on its device); ``for_step``: also to the step's mean."""
+        self._window.add(loss)
+        if for_step:
+            self._step.add(loss)
 
     def take_step_loss(self) -> float:
         """Mean loss of the micro-batches since the last call (NaN if none); starts the next step's."""
-        (total, count), self._step_loss = self._step_loss, [0.0, 0]
-        return total / count if count else float("nan")
+        return self._step.take_mean()
 
     def add_step(self) -> None:
         self.window_steps += 1
 
-    def close_window(self) -> tuple[float, float]:
-        """Return (mean local loss, samples/s) for the window and start a new one."""
+    def close_window(self) -> tuple[torch.Tensor, float]:
+        """Return (mean local loss, a tensor where the losses were; samples/s) for the window and start a new one."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        loss = self.loss_sum / max(self.loss_count, 1)
+        loss = self._window.take_mean_tensor()
         rate = self.window_steps * self.samples_per_step / elapsed
-        self.loss_sum, self.loss_count, self.window_steps = 0.0, 0, 0
+        self.window_steps = 0
         self.window_start = time.perf_counter()
         return loss, rate
 

@@ -15,6 +15,7 @@ from parity import base_config, make_model
 import zeroengine
 from zeroengine import comm
 from zeroengine.testing import run_distributed
+from zeroengine.testing.harness import DistributedTestError
 from zeroengine.zero import GatheredParameters, PartitionedParameterError
 from zeroengine.zero.gather_order import Stage3DivergenceError
 
@@ -152,6 +153,7 @@ def test_a_module_skipped_on_one_rank_is_named_by_every_rank_without_comm_debug(
 
 
 def _diverge_after_the_trace(rank, world, skip_step):
+    os.environ["ZEROENGINE_STAGE3_ORDER_CHECK"] = "event"  # read when the engine is built
     torch.manual_seed(0)
     engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=base_config(2, 1, world, 0.0, stage=3))
     start = time.monotonic()
@@ -165,15 +167,77 @@ def _diverge_after_the_trace(rank, world, skip_step):
     return step, "", time.monotonic() - start
 
 
-def test_a_module_skipped_once_the_prefetch_order_is_recorded_is_named_at_once():
+def test_per_event_checks_name_a_module_skipped_once_the_prefetch_order_is_recorded_at_once():
     # From the second step on, prefetch gathers ahead along the recorded order: the skipping rank's next
-    # module was already fetched, so it gathers nothing there. The ranks' fetch events are still checked,
-    # so the divergence is named at the module, not after the deadline at some later gather.
+    # module was already fetched, so it gathers nothing there. With ZEROENGINE_STAGE3_ORDER_CHECK=event the
+    # ranks' fetch events are still compared one by one, so the divergence is named at the module, before
+    # any gather can pair wrongly (even ones of different sizes, which abort gloo).
     messages = run_distributed(_diverge_after_the_trace, 2, 2, timeout_s=120)
     for rank, (step, message, seconds) in enumerate(messages):
         assert step == 2 and message.startswith(f"rank {rank}: ranks diverged at stage-3 check"), (step, message)
         assert "rank 0: module sometimes (forward)" in message and "rank 1: module out (forward)" in message
+        assert "Nothing was gathered" in message
         assert seconds < 60, seconds
+
+
+def _diverge_by_default(rank, world, skip_step, log_dir):
+    import logging
+
+    log = open(os.path.join(log_dir, f"rank{rank}.log"), "a", buffering=1)
+    logging.getLogger("zeroengine").addHandler(logging.StreamHandler(log))
+    torch.manual_seed(0)
+    engine, _, _, _ = zeroengine.initialize(model=Branchy(), config=base_config(2, 1, world, 0.0, stage=3))
+    for step in range(skip_step + 1):
+        loss = engine(torch.randn(2, 8), skip=rank == 1 and step == skip_step)
+        engine.backward(loss)
+        engine.step()
+        print(f"rank {rank} applied step {step}", file=log)
+    return step
+
+
+def test_by_default_a_rank_leaving_the_recorded_order_names_itself_before_its_next_gather(tmp_path):
+    # The default check compares a replayed pass once, at its end. Rank 1's departure from the recorded order
+    # desynchronises the gathers (here in sizes too, so gloo aborts a process before the pass ends); the rank
+    # named itself and the module before its next collective, and no rank applied the step.
+    with pytest.raises(DistributedTestError):
+        run_distributed(_diverge_by_default, 2, 2, str(tmp_path), timeout_s=120, env={"ZEROENGINE_COMM_TIMEOUT": "20"})
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    assert logs[1].count("stage 3 left its recorded") == 1 and (
+        "rank 1: stage 3 left its recorded parameter-fetch order at module out (forward), where the trace has "
+        "module sometimes (forward)") in logs[1], logs[1]
+    for rank, log in enumerate(logs):
+        assert f"rank {rank} applied step 1" in log and "applied step 2" not in log, log
+
+
+def _compare_passes(rank, world, diverge: bool):
+    from zeroengine.zero.gather_order import GatherOrderCheck
+
+    modules = ["inp", "a", "b", "out"]
+    check = GatherOrderCheck({0: [[f"{m}.weight"] for m in modules]})
+    comm.counters.reset()
+    for replaying in (False, True):  # a recorded pass compares each event; a replayed one, the pass at its end
+        check.begin_pass(replaying)
+        swap = diverge and replaying and rank == 1
+        try:
+            for module in ["inp", "b" if swap else "a", "out"]:
+                bucket = modules.index(module)
+                with check.event(module, "forward", (0, bucket), (bucket,)):
+                    pass
+            check.end_pass()
+        except Stage3DivergenceError as exc:
+            return replaying, str(exc), comm.counters.snapshot()["control"]["calls"]
+    return None, "", comm.counters.snapshot()["control"]["calls"]
+
+
+def test_a_replayed_pass_is_compared_once_at_its_end_and_a_difference_names_each_ranks_fetch():
+    # Ranks that agree: 3 exchanges for the recorded pass (one per event), 1 for the replayed one.
+    assert run_distributed(_compare_passes, 2, False) == [(None, "", 4)] * 2
+    for rank, (replaying, message, calls) in enumerate(run_distributed(_compare_passes, 2, True)):
+        assert replaying is True and calls == 5, (replaying, calls)  # the end of the pass, then the rows
+        assert message.startswith(f"rank {rank}: ranks diverged at stage-3 check #5;"), message
+        assert "rank 0: module a (forward), needing bucket 1 [a.weight]" in message, message
+        assert "rank 1: module b (forward), needing bucket 2 [b.weight]" in message, message
+        assert "compared at its end" in message
 
 
 class StopsEarly(nn.Module):

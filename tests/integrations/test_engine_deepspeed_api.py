@@ -133,7 +133,26 @@ def test_deepspeed_cpu_adam_matches_torch_adam_and_refuses_what_it_cannot_do():
 
 def test_module_methods_that_would_bypass_the_engine_are_refused_with_the_way_that_works():
     engine = _engine(2)
-    with pytest.raises(RuntimeError, match="torch.compile\\(model\\) before initialize"):
-        engine.compile()
     with pytest.raises(RuntimeError, match="use engine.load_checkpoint"):
         engine.load_state_dict(engine.state_dict())
+
+
+def test_engine_compile_takes_deepspeeds_arguments_and_trains_as_eager(caplog):
+    """accelerate calls engine.compile(backend=..., compile_kwargs=...) when torch_compile is on (DeepSpeed's
+    signature); tests/distributed/test_compile.py checks every stage on 2 ranks with inductor."""
+    runs = []
+    for compiled in (False, True):
+        engine = _engine(2)
+        assert not engine.is_compiled
+        if compiled:
+            with pytest.raises(ValueError, match="DeepCompile"):
+                engine.compile(schedule=[(0, [])])
+            engine.compile(backend="eager", compile_kwargs={"dynamic": False})
+            engine.compile(backend="eager")  # a second call only says so
+            assert engine.is_compiled and "already compiled" in caplog.text
+        for x, y in _batches(3):
+            engine.backward(nn.functional.cross_entropy(engine(x), y))
+            engine.step()
+        runs.append(_weights(engine))
+    for eager, compiled in zip(*runs):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)

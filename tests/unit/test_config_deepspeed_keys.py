@@ -70,8 +70,6 @@ KEYS = [
     ("", "vocabulary_size", None, "50257", "whole number"),
     ("", "aio", {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                  "overlap_events": True, "use_gds": False}, {"block_sise": 1048576}, "aio keys"),
-    ("", "compile", {"deepcompile": False, "free_activation_threshold": 10485760, "double_buffer": True},
-     {"deepcompile": True}, "set deepcompile=false"),
     ("", "pipeline", {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
                       "pipe_partitioned": True, "grad_partitioned": True}, {"stages": 2}, "DeepSpeed's defaults"),
     ("", "data_types", {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
@@ -316,3 +314,15 @@ def test_scheduler_last_batch_iteration_starts_part_way(type_name, params):
     with pytest.raises(ConfigError) as info:
         build({"last_batch_iteration": -2})
     assert info.value.key_path == "scheduler.params.last_batch_iteration"
+
+
+def test_the_compile_section_takes_deepspeeds_keys_and_refuses_deepcompile():
+    cfg = load_config(config_with("", "compile", {"enabled": True, "backend": "aot_eager", "kwargs": {"dynamic": False},
+                                                  "deepcompile": False, "free_activation_threshold": 10485760}))
+    assert (cfg.compile.enabled, cfg.compile.backend, cfg.compile.kwargs) == (True, "aot_eager", {"dynamic": False})
+    with pytest.raises(ConfigError) as info:
+        load_config(config_with("", "compile", {"deepcompile": True}))
+    assert info.value.key_path == "compile.deepcompile" and "DeepCompile" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(config_with("", "compile", {"enabeld": True}))  # a misspelt switch is not silently "off"
+    assert info.value.key_path == "compile.enabeld"

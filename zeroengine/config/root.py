@@ -15,6 +15,7 @@ from .base import ConfigModel, NonNegativeFloat, NonNegativeInt, PositiveFloat, 
 from .errors import ConfigError
 from .sections.activation_checkpointing import ActivationCheckpointingConfig
 from .sections.checkpoint import CheckpointConfig
+from .sections.compile import CompileConfig
 from .sections.monitor import MonitorConfig
 from .sections.optimizer import OptimizerConfig
 from .sections.precision import BF16Config, FP16Config
@@ -60,6 +61,8 @@ class ZeroEngineConfig(ConfigModel):
                                          description="Checkpoint save/load options (see 'checkpoint').")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig,
                                    description="Metrics writers (see 'monitor').")
+    compile: CompileConfig = Field(default_factory=CompileConfig,
+                                   description="torch.compile block by block at initialize (see 'compile').")
     zero_allow_untested_optimizer: bool = Field(
         False, description="Allow a client optimizer other than Adam/AdamW/SGD/CPUAdam with ZeRO stages 1-3.")
     gradient_predivide_factor: PositiveFloat = Field(

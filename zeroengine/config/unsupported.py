@@ -145,14 +145,6 @@ _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count"
 _PIPELINE_DEFAULTS = {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
                       "pipe_partitioned": True, "grad_partitioned": True}
 
-# DeepSpeed's CompileConfig: every key but deepcompile configures DeepCompile's passes only.
-_COMPILE_KEYS = ("deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
-                 "offload_activation", "offload_activation_pin_memory", "offload_opt_states", "double_buffer",
-                 "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
-                 "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
-                 "keep_all_input_tensors", "passes")
-
-
 def _is_whole_or_null(value: Any) -> bool:
     return value is None or (_is_number(value) and value >= 0 and float(value).is_integer())
 
@@ -160,10 +152,6 @@ def _is_whole_or_null(value: Any) -> bool:
 def _pipeline_is_default(value: Any) -> bool:
     return _has_only(value, tuple(_PIPELINE_DEFAULTS)) and all(
         v is None or _is_one_of(v, (_PIPELINE_DEFAULTS[k],)) for k, v in value.items())
-
-
-def _compile_is_off(value: Any) -> bool:
-    return _has_only(value, _COMPILE_KEYS) and not value.get("deepcompile")
 
 
 def _data_types_are_default(value: Any) -> bool:
@@ -193,9 +181,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("autotuning", ENABLED_FALSE, "automatic search of ZeRO/batch settings"),
         Unsupported("comet", ENABLED_FALSE, "Comet experiment logging"),
         Unsupported("comms_logger", ENABLED_FALSE, "logging of every collective"),
-        Unsupported("compile", checked("set deepcompile=false", "`deepcompile` false or absent (the other keys "
-                                       "configure DeepCompile only)", _compile_is_off),
-                    "DeepCompile, DeepSpeed's compiler passes for ZeRO"),
         Unsupported("compression_training", EMPTY, "quantization/pruning-aware training"),
         Unsupported("curriculum_learning", ENABLED_FALSE, "sequence-length curriculum"),
         Unsupported("data_efficiency", ENABLED_FALSE, "data sampling and routing library"),

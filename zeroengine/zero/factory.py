@@ -159,7 +159,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
         fp32_values = reshard.fp32_values()[:len(trainable.params)]
     frozen_buffer = buffer_of(frozen, len(trainable.params)) if frozen.params else None
     if world > 1 and gather_order.enabled():
-        _check_gather_order([buffer, frozen_buffer])
+        _check_gather_order([buffer, frozen_buffer], per_event=gather_order.mode() == "event")
     reshard.release_init_shards()
     _cast_floating_buffers(module, policy.param_dtype)
     units = [Unit(buffer, b, True) for b in buffer.layout.buckets]
@@ -173,7 +173,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready,
                                       on_stray_pass_over=hooks.release_all)
     sharded = _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, trainable.params,
-                        fp32_values, grad_store, group_of, after_backward=hooks.release_all, cls=Stage3Optimizer,
+                        fp32_values, grad_store, group_of, after_backward=hooks.after_backward, cls=Stage3Optimizer,
                         hooks=hooks, frozen_params=frozen_buffer)
     if frozen_buffer is not None:
         for bucket in frozen_buffer.layout.buckets:
@@ -182,11 +182,11 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     return sharded
 
 
-def _check_gather_order(buffers) -> None:
+def _check_gather_order(buffers, per_event: bool) -> None:
     """One GatherOrderCheck for the model's buffers, each tagged by its position (trainable 0, frozen 1)."""
     tagged = [(tag, buf) for tag, buf in enumerate(buffers) if buf is not None]
     check = GatherOrderCheck({tag: [[buf.names[s.index] for s in bucket.slots] for bucket in buf.layout.buckets]
-                              for tag, buf in tagged})
+                              for tag, buf in tagged}, per_event=per_event)
     for tag, buf in tagged:
         buf.order_check, buf.order_tag = check, tag
 

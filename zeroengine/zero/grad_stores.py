@@ -356,12 +356,14 @@ class PartitionedGradStore:
         since the reductions must pair: a rank whose bucket was sent later may have no such leftover."""
         buckets = self.layout.buckets
         if self.reducer.world > 1:
-            device = comm.device_for_backend()
+            # On the group's host twin: an exchange on the device would wait for all its queued work.
+            host = comm.host_group(self.reducer.group)
+            device = comm.device_for_backend() if host is None else torch.device("cpu")
             mine = torch.zeros(len(buckets), dtype=torch.int32, device=device)
             if self._buffers:
                 mine[sorted(self._buffers)] = 1
             everyone = torch.empty(len(buckets) * self.reducer.world, dtype=torch.int32, device=device)
-            comm.control_all_gather(everyone, mine, group=self.reducer.group)
+            comm.control_all_gather(everyone, mine, group=self.reducer.group if host is None else host)
             late = everyone.view(self.reducer.world, -1).amax(0).nonzero().flatten().tolist()
         else:
             late = sorted(self._buffers)

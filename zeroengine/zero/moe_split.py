@@ -21,7 +21,6 @@ so the expert part is summed over the expert-parallel group.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ from .flat_params import FlatParamBuffer
 from .gathered import register_partitioned
 from .grad_stores import BucketReducer, FullGradStore, PartitionedGradStore
 from .layout import build_layout
-from .optimizer import StatePiece, ZeroOptimizer, trained_group_of
+from .optimizer import StatePiece, ZeroOptimizer, finite_sqrt, trained_group_of
 from .sharded import ShardedOptimizer
 from .stage0 import DataParallelOptimizer
 
@@ -104,13 +103,14 @@ class ExpertDataParallelOptimizer(DataParallelOptimizer):
         self._stepped_grads_of = [{id(self._stepped(p).grad) for p in d.params} for d in self.expert_domains]
         return grads
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         expert_ids = set().union(*self._stepped_grads_of) if self._stepped_grads_of else set()
         total = self.local_norm_sq([g for g in grads if id(g) not in expert_ids])
         for d, ids in zip(self.expert_domains, self._stepped_grads_of):
-            part = self.local_norm_sq([g for g in grads if id(g) in ids])
-            total += comm.all_reduce_scalar(part, group=d.norm_group)
-        return math.sqrt(total) if math.isfinite(total) else float("inf")
+            part = self.local_norm_sq([g for g in grads if id(g) in ids], total.device).reshape(1)
+            comm.all_reduce(part, group=d.norm_group)
+            total = total + part[0]
+        return finite_sqrt(total)
 
     def checkpoint_pieces(self) -> list[StatePiece]:
         # An expert parameter is replicated over its EDP group only: one of that group writes it.
@@ -142,12 +142,13 @@ class ExpertShardedOptimizer(ZeroOptimizer):
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
         return [g for part in self.parts for g in part._unscaled_fp32_grads(inv_scale)]
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Every element is owned once in the world; each part knows which of its gradients are still scaled.
-        total = comm.all_reduce_scalar(sum(part.local_grad_norm_sq() for part in self.parts))
-        return math.sqrt(total) if math.isfinite(total) else float("inf")
+        total = sum(part.local_grad_norm_sq() for part in self.parts).reshape(1)
+        comm.all_reduce(total)
+        return finite_sqrt(total[0])
 
-    def _clip_grads(self, grads: list[torch.Tensor], coef: float) -> None:
+    def _clip_grads(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         for part in self.parts:
             part._clip_grads(grads, coef)
 

@@ -52,11 +52,20 @@ class StatePiece:
     group: object = None
 
 
-@dataclass(frozen=True)
 class StepResult:
-    applied: bool
-    grad_norm: float
-    loss_scale: float | None
+    """What one optimizer step did. The gradient norm stays a device tensor until someone reads
+    ``grad_norm`` (a monitor row, ``engine.get_global_grad_norm()``): reading it waits for the device."""
+
+    def __init__(self, applied: bool, norm, loss_scale: float | None):
+        self.applied = applied
+        self.loss_scale = loss_scale
+        self._norm = norm
+
+    @property
+    def grad_norm(self) -> float:
+        if isinstance(self._norm, torch.Tensor):
+            self._norm = float(self._norm)
+        return self._norm
 
 
 # The optimizer state of a ZeRO stage lives in pieces on every rank (and on the host under offload): one
@@ -119,10 +128,12 @@ class ZeroOptimizer:
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global gradient norm, a 0-dim float64 tensor on the gradients' device, the same on every rank
+        (inf when not finite)."""
         raise NotImplementedError
 
-    def _clip_grads(self, grads: list[torch.Tensor], coef: float) -> None:
+    def _clip_grads(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         torch._foreach_mul_(grads, coef)
 
     def _optimizer_step(self) -> None:
@@ -157,33 +168,40 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> StepResult:
         grads = self._unscaled_fp32_grads(1.0 / self.loss_scale)
-        norm = self._grad_norm(grads)
+        norm = self._grad_norm(grads)  # on the device; one collective where the gradients are sharded
         scale_before = self.loss_scale
         if self.loss_scaler is not None or self.skip_nonfinite_steps:
-            overflow = comm.all_reduce_scalar(0.0 if math.isfinite(norm) else 1.0, op=comm.ReduceOp.MAX) > 0
+            # The step's one wait for the device: skipping is decided on the host. The norm is global (the same
+            # on every rank), and a non-finite gradient anywhere makes it so: no collective of its own.
+            overflow = not bool(torch.isfinite(norm))
             if self.loss_scaler is not None:
                 self.loss_scaler.update_scale(overflow)
             self.overflow = overflow
             if overflow:
                 self.zero_grad()
-                return StepResult(applied=False, grad_norm=norm, loss_scale=scale_before)
+                return StepResult(applied=False, norm=norm, loss_scale=scale_before)
         if self.gradient_clipping > 0 and grads:
-            # Same coefficient as torch.nn.utils.clip_grad_norm_, so parity with
-            # a plain torch loop is exact.
-            coef = self.gradient_clipping / (norm + 1e-6)
-            if coef < 1.0:
-                self._clip_grads(grads, coef)
+            # torch.nn.utils.clip_grad_norm_'s coefficient, clamped on the device instead of compared on the
+            # host (a factor of exactly 1 changes nothing), so parity with a plain torch loop is exact.
+            coef = torch.clamp(self.gradient_clipping / (norm + 1e-6), max=1.0)
+            self._clip_grads(grads, coef)
         self._optimizer_step()
         self._refresh_model_params()
         self.zero_grad()
-        return StepResult(applied=True, grad_norm=norm, loss_scale=scale_before)
+        return StepResult(applied=True, norm=norm, loss_scale=scale_before)
 
     @staticmethod
-    def local_norm_sq(grads: list[torch.Tensor]) -> float:
+    def local_norm_sq(grads: list[torch.Tensor], device=None) -> torch.Tensor:
+        """Sum of squares of ``grads``, a 0-dim float64 tensor where they are (``device`` when there are none)."""
         if not grads:
-            return 0.0
+            return torch.zeros((), dtype=torch.float64, device=device or comm.device_for_backend())
         if grads[0].dtype == torch.float32:
             norms = torch._foreach_norm(grads)
         else:  # widen one tensor at a time: a widened copy of all of them would cost 4 bytes per element
             norms = [torch._foreach_norm([g.float()])[0] for g in grads]
-        return float(torch.stack(norms).double().pow(2).sum())
+        return torch.stack(norms).double().pow(2).sum()
+
+
+def finite_sqrt(total: torch.Tensor) -> torch.Tensor:
+    """The norm from a sum of squares: inf when that is not finite (an overflow can make it nan), as DeepSpeed."""
+    return torch.where(torch.isfinite(total), total.sqrt(), torch.full_like(total, math.inf))

@@ -314,8 +314,11 @@ class PartitionedParamBuffer(ParamBuffer):
         refresh = [b for b in self.layout.buckets if self.full[b.index] is not None]
         for bucket in refresh:
             self.release(bucket, force=True)
-        for bucket in refresh:
-            self.fetch_async(bucket, label="parameters refreshed after the step")
+        # Every rank holds the same buckets gathered here (persistent ones, and those of a GatheredParameters
+        # block every rank entered, which was checked): their refresh needs no order check of its own.
+        with self.order_check.covered() if self.order_check is not None else nullcontext():
+            for bucket in refresh:
+                self.fetch_async(bucket, label="parameters refreshed after the step")
         for bucket in refresh:
             self.gather(bucket)
 

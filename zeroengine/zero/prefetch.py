@@ -103,6 +103,12 @@ class ExecutionTrace:
             self.events = []
             self.state = TraceState.RECORDING
 
+    def forget(self) -> None:
+        """Drop the recorded order: the next pass records it again."""
+        self.in_pass = False
+        self.events = []
+        self.state = TraceState.RECORDING
+
     # -- events --------------------------------------------------------------------
     def observe(self, event: FetchEvent) -> bool:
         """Advance past ``event``; True when it is on the trace (prefetch may look ahead)."""
@@ -125,6 +131,12 @@ class ExecutionTrace:
     @property
     def replaying(self) -> bool:
         return self.state is TraceState.REPLAYING
+
+    def expected(self) -> FetchEvent | None:
+        """The event the trace has next, while replaying (None at its end, or when not replaying)."""
+        if self.state is TraceState.REPLAYING and self.cursor < len(self.events):
+            return self.events[self.cursor]
+        return None
 
     def upcoming(self):
         """The events after the current one, in order."""

@@ -20,8 +20,6 @@ ones are unscaled (and clipped) on the host.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from zeroengine import comm
@@ -30,7 +28,7 @@ from zeroengine.offload import OffloadedStep, place_buckets
 
 from .flat_params import gather_chunk
 from .layout import FlatLayout
-from .optimizer import StatePiece, ZeroOptimizer
+from .optimizer import StatePiece, ZeroOptimizer, finite_sqrt
 
 
 class ShardedOptimizer(ZeroOptimizer):
@@ -121,12 +119,12 @@ class ShardedOptimizer(ZeroOptimizer):
     def cancel_backward(self) -> None:
         self.grad_store.cancel_backward()
         if self._after_backward is not None:  # stage 3: free what the failed pass had gathered
-            self._after_backward()
+            self._after_backward(False)
 
     def finish_backward(self, is_boundary: bool) -> None:
         self.grad_store.finish_backward(is_boundary)
-        if self._after_backward is not None:
-            self._after_backward()
+        if self._after_backward is not None:  # stage 3: free, and compare the pass across ranks
+            self._after_backward(True)
 
     def load_chunk_from_params(self, bucket_index: int) -> None:
         """Stage 3: a parameter was edited in place (GatheredParameters); make the master chunk follow."""
@@ -157,19 +155,22 @@ class ShardedOptimizer(ZeroOptimizer):
         self._fp32_chunk_grads = grads
         return grads + self._host_grads
 
-    def local_grad_norm_sq(self) -> float:
-        """This rank's share of the squared global gradient norm, as if every gradient were unscaled."""
-        local = self.local_norm_sq(self._fp32_chunk_grads)
+    def local_grad_norm_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm, as if every gradient were unscaled (a 0-dim
+        float64 tensor on the device the gradients were reduced on)."""
+        device = self.grad_store.chunk_grads[0].device if self.grad_store.chunk_grads else None
+        local = self.local_norm_sq(self._fp32_chunk_grads, device)
         if self._host_grads:  # unscaled by the factor squared: exact for the dynamic scaler's powers of two
-            local += self.local_norm_sq(self._host_grads) * self._inv_scale ** 2
+            local = local + self.local_norm_sq(self._host_grads).to(local.device) * self._inv_scale ** 2
         return local
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Each rank holds a disjoint shard (padding is zero): the squares add up across ranks.
-        total = comm.all_reduce_scalar(self.local_grad_norm_sq(), group=self.group)
-        return math.sqrt(total) if math.isfinite(total) else float("inf")
+        total = self.local_grad_norm_sq().reshape(1)
+        comm.all_reduce(total, group=self.group)
+        return finite_sqrt(total[0])
 
-    def _clip_grads(self, grads: list[torch.Tensor], coef: float) -> None:
+    def _clip_grads(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         if self._fp32_chunk_grads:
             super()._clip_grads(self._fp32_chunk_grads, coef)
         self._clip_coef = coef  # offloaded buckets: applied on the host after unscaling, in the same order
@@ -190,7 +191,8 @@ class ShardedOptimizer(ZeroOptimizer):
         """After the resident buckets stepped: stream the offloaded ones through the CPU optimizer."""
         if self.offloaded_step is None:
             return
-        self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef,
+        # The CPU optimizer needs the clipping factor on the host: offload's one wait for the device per step.
+        self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, float(self._clip_coef),
                                 self._offloaded_bucket_sink())
 
     def _offloaded_bucket_sink(self):

@@ -6,15 +6,13 @@ boundary (no communication between boundaries).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from zeroengine.comm.bucketing import all_reduce_mean_in_buckets
 from zeroengine.memory import MemoryTally
 from zeroengine.precision.master_weights import MasterWeights
 
-from .optimizer import StatePiece, ZeroOptimizer
+from .optimizer import StatePiece, ZeroOptimizer, finite_sqrt
 
 
 class DataParallelOptimizer(ZeroOptimizer):
@@ -61,11 +59,10 @@ class DataParallelOptimizer(ZeroOptimizer):
             torch._foreach_mul_(grads, inv_scale)
         return grads
 
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Gradients are already identical on every rank: no communication. A non-finite total is inf (as at
         # stages 1-3 and in DeepSpeed), also when an overflow made it nan.
-        total = self.local_norm_sq(grads)
-        return math.sqrt(total) if math.isfinite(total) else float("inf")
+        return finite_sqrt(self.local_norm_sq(grads))
 
     def _refresh_model_params(self) -> None:
         if self.master_weights is not None:

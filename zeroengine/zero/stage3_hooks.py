@@ -33,13 +33,16 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from zeroengine.activation_checkpointing.checkpoint import register_recompute_context
+from zeroengine.progress import get_logger
 
 from .external import external_parameters, unwatch_registrations, watch_registrations
+from .gather_order import Stage3DivergenceError
 from .layout import Bucket
 from .param_guard import PartitionedParameterError
 from .partitioned_params import PartitionedParamBuffer
 from .prefetch import ExecutionTrace, FetchEvent, TraceState
 
+_log = get_logger()
 _CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
@@ -92,33 +95,70 @@ class Stage3Hooks:
         self.kept: set[int] = set()  # kept gathered after use (reuse distance)
         self.handles = []
         self._unit_of_param = unit_of_param
+        self._order_check = units[0].buffer.order_check if units else None  # one check shared by the buffers
         self._name_of = {id(m): name for name, m in module.named_modules()}  # this model's modules
-        self._hooked: set[int] = set()
         self._active: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # units fetched per running call
         self._frozen_pending: dict[int, int] = defaultdict(int)  # frozen unit -> calls whose backward is to come
-        owned_by: dict[str, set[int]] = defaultdict(set)
-        runs = {}
-        for name, m in module.named_modules():
-            # Containers never run forward: their parameters (a ParameterList's, say) are used by the
-            # nearest ancestor that does run, so that ancestor fetches them.
-            host = name
-            while host and isinstance(runs.get(host, m), _CONTAINERS):
-                host = host.rpartition(".")[0]
-            runs[name] = m
-            owned_by[host] |= {unit_of_param[id(p)] for p in m._parameters.values()
-                               if p is not None and id(p) in unit_of_param}
-        self._unhooked = []  # (module, label, registered parameters) of modules with only persistent ones
-        for name, m in module.named_modules():
-            owned = tuple(sorted(u for u in owned_by.get(name, ()) if not units[u].persistent))
-            if owned or external_parameters(m):
-                self._attach(m, name, owned)
-            elif registered := self._registered(m):
-                self._unhooked.append((m, name or type(m).__name__, registered))
         self._root = module
         self._begin_handle = module.register_forward_pre_hook(self._begin_pass, prepend=True)
-        self.handles.insert(0, self._begin_handle)
+        self._wire(frozenset())
         _LIVE.add(self)
         watch_registrations(self)
+
+    def _wire(self, fetch_roots: frozenset[int]) -> None:
+        """Hook the modules that fetch. Each module's parameters are fetched by its *host*: itself; for a
+        container (which never runs forward: a ParameterList's parameters are used by the nearest ancestor
+        that runs) that ancestor; and inside a *fetch root* (a block compiled as one, see
+        :meth:`fetch_whole`) the outermost root, whose hooks fetch its whole subtree at once."""
+        modules = dict(self._root.named_modules())
+        self._host_of: dict[int, str] = {}
+        self._subtree: dict[str, list[torch.nn.Module]] = defaultdict(list)
+        owned_by: dict[str, set[int]] = defaultdict(set)
+        registered_by: dict[str, list] = defaultdict(list)
+        for name, m in modules.items():
+            host = name
+            while host and isinstance(modules[host], _CONTAINERS):
+                host = host.rpartition(".")[0]
+            parts = name.split(".") if name else []
+            for depth in range(1, len(parts) + 1):  # the outermost fetch root above (or at) this module
+                prefix = ".".join(parts[:depth])
+                if id(modules[prefix]) in fetch_roots:
+                    host = prefix
+                    break
+            self._host_of[id(m)] = host
+            self._subtree[host].append(m)
+            owned_by[host] |= {self._unit_of_param[id(p)] for p in m._parameters.values()
+                               if p is not None and id(p) in self._unit_of_param}
+            registered_by[host] += [(m, key, p) for key, p in self._registered(m)]
+        self._hooked: set[int] = set()
+        self._unhooked = []  # (label, registered parameters) of hosts with only persistent ones
+        for name, m in modules.items():
+            if name in owned_by and self._host_of[id(m)] == name:
+                owned = tuple(sorted(u for u in owned_by[name] if not self.units[u].persistent))
+                if owned or any(external_parameters(sub) for sub in self._subtree[name]):
+                    self._attach(m, name, owned, tuple(registered_by[name]))
+                elif registered_by[name]:
+                    self._unhooked.append((name or type(m).__name__, tuple(registered_by[name])))
+        self.handles.insert(0, self._begin_handle)
+        if self._root._forward_pre_hooks and self._begin_handle.id in self._root._forward_pre_hooks:
+            self._root._forward_pre_hooks.move_to_end(self._begin_handle.id, last=False)
+
+    def fetch_whole(self, blocks: list[torch.nn.Module]) -> None:
+        """Fetch each of ``blocks`` (modules of this model) as one: its hooks gather every parameter of its
+        subtree before it runs and free them after; the modules inside run without hooks. What compiling a
+        block needs (torch.compile traces the block's forward, which must not reach into Python hooks that
+        gather and free), and what FSDP2 does per ``fully_shard``ed block. Between passes only."""
+        if any(self._active.values()) or self.trace.in_pass:
+            raise RuntimeError("stage 3 can regroup its fetches only between training steps")
+        unknown = [type(b).__name__ for b in blocks if id(b) not in self._name_of]
+        if unknown:
+            raise ValueError(f"not modules of this model: {unknown}")
+        for handle in self.handles:
+            if handle is not self._begin_handle:
+                handle.remove()
+        self.handles = []
+        self.trace.forget()  # the fetch events are the blocks' now: record the order again
+        self._wire(frozenset(id(b) for b in blocks))
 
     def remove(self) -> None:
         """Take every hook off the model (engine.destroy()); what is gathered is released first."""
@@ -129,12 +169,12 @@ class Stage3Hooks:
         _LIVE.discard(self)
         unwatch_registrations(self)
 
-    def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...]) -> None:
+    def _attach(self, m: torch.nn.Module, name: str, owned: tuple[int, ...], registered: tuple) -> None:
         label = name or type(m).__name__
         self._hooked.add(id(m))
-        # The parameters the engine partitioned, as registered on the module: one swapped for a new object
-        # (load_state_dict(assign=True), setattr) would train nowhere, so its use is refused.
-        registered = self._registered(m)
+        # The parameters the engine partitioned, as registered on the modules this one fetches for
+        # (module, key, parameter): one swapped for a new object (load_state_dict(assign=True), setattr)
+        # would train nowhere, so its use is refused.
         # Ours run around the user's hooks: the gather before every forward pre-hook (prepend), the release
         # after every forward hook (moved last on each call, see _pre_forward), so a hook that reads the
         # module's weights, registered before or after initialize, finds them gathered.
@@ -142,23 +182,23 @@ class Stage3Hooks:
         self.handles.append(m.register_forward_pre_hook(self._pre_forward(label, owned, registered, post.id),
                                                         prepend=True))
         self.handles.append(post)
-        begin = getattr(self, "_begin_handle", None)
-        if m is getattr(self, "_root", None) and begin is not None:  # the pass begins before the root's gather
-            m._forward_pre_hooks.move_to_end(begin.id, last=False)
+        if m is self._root:  # the pass begins before the root's gather
+            m._forward_pre_hooks.move_to_end(self._begin_handle.id, last=False)
 
     def _registered(self, m: torch.nn.Module) -> tuple:
         return tuple((key, p) for key, p in m._parameters.items() if p is not None and id(p) in self._unit_of_param)
 
-    def _check_not_swapped(self, module: torch.nn.Module, label: str, registered) -> None:
+    def _check_not_swapped(self, label: str, registered) -> None:
         """A parameter the engine partitioned, replaced in its slot by a Parameter the engine does not know, would
         train nowhere. A slot emptied (parametrize moves the object), holding another known parameter (a
         rename) or a plain tensor (torch.func.functional_call, for one call) is fine."""
-        for key, p in registered:
+        for module, key, p in registered:
             now = module._parameters.get(key)
             if now is p or not isinstance(now, torch.nn.Parameter) or id(now) in self._unit_of_param:
                 continue
+            owner = self._name_of.get(id(module), label)
             raise PartitionedParameterError(
-                f"{label + '.' if label else ''}{key} was replaced by a new Parameter after initialize() (e.g. "
+                f"{owner + '.' if owner else ''}{key} was replaced by a new Parameter after initialize() (e.g. "
                 "load_state_dict(assign=True), module.weight = nn.Parameter(...), or torch.nn.utils."
                 "parametrizations.weight_norm, which makes new parameters): ZeRO stage 3 trains the parameters "
                 "it partitioned, so the new one would never be updated. Load values into the existing "
@@ -168,8 +208,8 @@ class Stage3Hooks:
 
     def _check_unhooked(self) -> None:
         """The same check for modules whose parameters all stay gathered (persistent): they have no hooks."""
-        for module, label, registered in self._unhooked:
-            self._check_not_swapped(module, label, registered)
+        for label, registered in self._unhooked:
+            self._check_not_swapped(label, registered)
 
     def external_registered(self, m: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
         """``register_external_parameter(m, parameter)`` was called after this object was built."""
@@ -179,12 +219,15 @@ class Stage3Hooks:
                                  "model this parameter belongs to, so it never runs inside that model's forward; "
                                  "pass the module (of engine.module) whose forward uses the parameter")
             return
-        if id(m) not in self._hooked:
-            self._attach(m, self._name_of[id(m)], ())
+        host = self._host_of[id(m)]
+        hosting = dict(self._root.named_modules())[host]
+        if id(hosting) not in self._hooked:
+            self._attach(hosting, host, (), ())
 
     def _units_of(self, m: torch.nn.Module, owned: tuple[int, ...]) -> tuple[int, ...]:
-        """The units ``m`` needs: its own and its registered external parameters' (persistent ones excepted)."""
-        external = external_parameters(m)
+        """The units ``m`` needs: its own and the registered external parameters of the modules it fetches for
+        (persistent ones excepted)."""
+        external = [p for sub in self._subtree[self._host_of[id(m)]] for p in external_parameters(sub)]
         if not external:
             return owned
         extra = {self._unit_of_param[id(p)] for p in external if id(p) in self._unit_of_param}
@@ -199,7 +242,7 @@ class Stage3Hooks:
             # and count as a checkpointed segment's enclosing parameters.
             self._active.clear()
             self.in_use.clear()
-            self.end_pass()
+            self.end_pass(completed=False)
         elif self.trace.in_pass:
             if torch.is_grad_enabled():
                 was_replaying = self.trace.replaying
@@ -209,10 +252,12 @@ class Stage3Hooks:
                     return
             self.end_pass()  # a forward with no backward after it
         self.trace.begin_pass(torch.is_grad_enabled())
+        if self._order_check is not None:
+            self._order_check.begin_pass(self.trace.replaying)
 
     def _pre_forward(self, label: str, owned: tuple[int, ...], registered=(), post_id=None):
         def hook(module, args):
-            self._check_not_swapped(module, label, registered)
+            self._check_not_swapped(label, registered)
             hooks = module._forward_hooks
             if post_id in hooks and next(reversed(hooks)) != post_id:  # a forward hook added since: ours last
                 hooks[post_id] = hooks.pop(post_id)
@@ -268,10 +313,12 @@ class Stage3Hooks:
     def _fetch(self, event: FetchEvent) -> None:
         """Gather what ``event`` needs and, on the trace, prefetch what comes after it."""
         was_replaying = self.trace.replaying
+        expected = self.trace.expected()
         on_trace = self.trace.observe(event)
         if was_replaying and not on_trace:
             # Left the trace: what was fetched ahead for the old order is not needed.
             self._release_idle(tuple(self.prefetched | self.kept), keep=event.units)
+            self._report_departure(event, expected)
         label = f"module {event.module} ({event.phase})"
         for u in event.units:
             self._gather_now(u, event.units, label)
@@ -279,6 +326,19 @@ class Stage3Hooks:
             self.kept.discard(u)
         if on_trace:
             self._prefetch()
+
+    def _report_departure(self, event: FetchEvent, expected: FetchEvent | None) -> None:
+        """Say where this rank left the recorded order, before its next gather: when the other ranks did not
+        leave it too, that gather pairs with a different one of theirs. The end of the pass names a wrong
+        pairing; one of different sizes aborts the process first (gloo) or hangs (NCCL), and then this line
+        is what names the module."""
+        if self._order_check is None or self._order_check.per_event:
+            return  # no peers, or the check compares this event before anything is gathered
+        wanted = f"module {expected.module} ({expected.phase})" if expected else "the end of the pass"
+        _log.warning(f"rank {self._order_check.rank}: stage 3 left its recorded parameter-fetch order at module "
+                     f"{event.module} ({event.phase}), where the trace has {wanted}; this pass gathers on demand "
+                     "from here (a change every rank makes is fine; a rank that alone runs other modules "
+                     "desynchronises the gathers: ZEROENGINE_STAGE3_ORDER_CHECK=event names it before they pair)")
 
     def _gather_now(self, u: int, keep: tuple[int, ...], label: str) -> bool:
         """Make unit ``u`` gathered (waiting for its prefetch, or gathering it on demand after making room
@@ -399,16 +459,29 @@ class Stage3Hooks:
                 del self._frozen_pending[u]
                 self._release_idle((u,))
 
-    def end_pass(self) -> None:
-        """End of backward (or a forward nobody backpropagated): anything still gathered is freed."""
+    def end_pass(self, completed: bool = True) -> None:
+        """End of backward (or a forward nobody backpropagated): anything still gathered is freed. A pass
+        ``completed`` on this rank is compared with the other ranks' (see :mod:`.gather_order`); one that
+        raised here is not (the others may never arrive)."""
         self._frozen_pending.clear()
         self.trace.end_pass()
         self._release_idle(range(len(self.units)))
         self.prefetched.clear()
         self.kept.clear()
+        if self._order_check is not None:
+            try:
+                self._order_check.end_pass(completed)
+            except Stage3DivergenceError:
+                self.trace.forget()  # every rank records the order afresh (they raise alike)
+                raise
 
-    # The optimizer's after-backward callback.
-    release_all = end_pass
+    def after_backward(self, completed: bool) -> None:
+        """The optimizer's callback once a backward finished (``completed``) or raised."""
+        self.end_pass(completed)
+
+    def release_all(self) -> None:
+        """Free everything without comparing the pass (engine.destroy(), a pass the gradient store abandoned)."""
+        self.end_pass(completed=False)
 
     @property
     def trace_state(self) -> TraceState:
