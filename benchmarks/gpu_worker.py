@@ -5,7 +5,8 @@
 A fresh process per run keeps CUDA memory statistics, the allocator and any
 out-of-memory failure to that run alone.
 
-Spec keys besides the model: ``stage``, ``dtype``, ``micro``, ``compile`` (engine.compile()), ``offload_optimizer``,
+Spec keys besides the model: ``stage``, ``dtype``, ``micro``, ``compile`` (engine.compile()), ``fetch_blocks``
+(stage3_fetch_unit "block"), ``offload_optimizer``,
 ``offload_param``, ``ratio`` (offload_optimizer.ratio, or "auto": the share of
 the Adam state the host's available memory holds, see ``auto_ratio``) and
 ``init`` (build under zero.Init on the GPU with the slices in CPU memory, so
@@ -86,13 +87,12 @@ def run(spec: dict) -> dict:
         "bf16": {"enabled": spec["dtype"] == "bf16"}, "fp16": {"enabled": spec["dtype"] == "fp16"},
         "zero_optimization": zero,
     }
+    if spec.get("fetch_blocks"):  # stage 3: gather each block's parameters as one fetch (what compile does)
+        zero["stage3_fetch_unit"] = "block"
     engine, _, _, _ = zeroengine.initialize(model=model, config=config)
     if spec.get("compile"):  # each block's forward under torch.compile; the first step compiles
         engine.compile()
-    elif spec.get("fetch_blocks"):  # stage 3, eager: gather each block's parameters as one (what compile does)
-        from zeroengine.compilation import find_blocks
 
-        engine.optimizer.hooks.fetch_whole(find_blocks(engine.module))
     build_s = time.perf_counter() - t0
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randint(cfg.vocab_size, (spec["micro"], cfg.block_size), device="cuda", generator=g)

@@ -28,24 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from zeroengine.zero.blocks import find_blocks
+
 _DEEPCOMPILE = ("DeepSpeed's DeepCompile (schedule=..., the compile config's deepcompile) is not supported: "
                 "zeroengine compiles each block with torch.compile and keeps its ZeRO hooks outside the compiled "
                 "regions")
-
-
-def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The children of the model's outermost ``nn.ModuleList``s, in order."""
-    blocks: list[torch.nn.Module] = []
-
-    def visit(module: torch.nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, torch.nn.ModuleList):
-                blocks.extend(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return blocks
 
 
 def compile_targets(model: torch.nn.Module, stage: int) -> list[torch.nn.Module]:

@@ -23,6 +23,7 @@ class _State:
     checker: CollectiveSequenceChecker | None = None
     checker_generation: int = 0
     timeout_s: float | None = None  # the process group's, when zeroengine made it
+    shutdowns: int = 0  # shutdown() calls so far (each numbers its departure keys)
 
 
 state = _State()
@@ -137,17 +138,39 @@ def shutdown() -> None:
     active exception", seen in the example run under load)."""
     if not dist.is_initialized():
         return
-    if dist.get_world_size() > 1:
-        from .handshake import HandshakeTimeout, handshakes
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        dist.destroy_process_group()
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
 
-        try:
-            handshakes.exchange("shutdown", b"", timeout_s=min(60.0, default_timeout_s()))
-        except HandshakeTimeout as err:  # a peer is gone already (or failed): nothing left to wait for
-            from zeroengine.progress import get_logger
+    from .handshake import HandshakeTimeout, handshakes
 
-            get_logger().warning(f"rank {dist.get_rank()}: shutdown did not meet rank(s) {err.missing} (gone or "
-                                 "failed before the end of the script); tearing down without them")
+    deadline = min(60.0, default_timeout_s())
+    store = _get_default_store()  # kept past the group's teardown: rank 0's process hosts it
+    met = True
+    try:
+        handshakes.exchange("shutdown", b"", timeout_s=deadline)
+    except HandshakeTimeout as err:  # a peer is gone already (or failed): nothing left to wait for
+        met = False
+        from zeroengine.progress import get_logger
+
+        get_logger().warning(f"rank {rank}: shutdown did not meet rank(s) {err.missing} (gone or "
+                             "failed before the end of the script); tearing down without them")
+    state.shutdowns += 1
     dist.destroy_process_group()
+    if not met:
+        return
+    # Rank 0 hosts the store and leaves last: a rank still tearing its gloo connections down when rank 0's
+    # process exits has them closed under it, and aborts ("terminate called without an active exception").
+    left = f"ze_left/{state.shutdowns}"
+    try:
+        if rank != 0:
+            store.set(f"{left}/{rank}", b"")
+        else:
+            store.wait([f"{left}/{r}" for r in range(1, world)], timedelta(seconds=deadline))
+    except Exception:  # a peer gone meanwhile: its departure is all that was waited for
+        pass
 
 
 def enable_sequence_check(timeout_s: float | None = None) -> None:

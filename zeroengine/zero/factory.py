@@ -16,6 +16,7 @@ from zeroengine.config import ConfigError
 from zeroengine.precision.master_weights import MasterWeights
 
 from . import gather_order, host_memory
+from .blocks import find_blocks
 from .flat_params import FlatParamBuffer
 from .gather_order import GatherOrderCheck
 from .gathered import register_partitioned
@@ -169,6 +170,8 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
             units.append(Unit(frozen_buffer, b, False))
             unit_of.update({id(frozen_buffer.params[s.index]): len(units) - 1 for s in b.slots})
     hooks = Stage3Hooks(module, units, unit_of, FetchPolicy.from_config(zero_config))
+    if zero_config.stage3_fetch_unit == "block":
+        hooks.fetch_whole(find_blocks(module))
     reducer = BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
     grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready,
                                       on_stray_pass_over=hooks.release_all)

@@ -115,6 +115,35 @@ class _InOrderLauncher:
         self.next = 0
 
 
+class _BufferPool:
+    """Buffers of one kind (bucket buffers, or reduction outputs) kept for the next micro-step: a step
+    allocates nothing after the first (on CPU, freed buffers would otherwise stay in glibc's heap and
+    fragment it; on an accelerator, its caching allocator does the same job at a cost per call). Every
+    buffer has the capacity of the largest request, and a request gets a view of its size, so the pool
+    holds at most as many buffers as were in use at once, whatever the buckets' sizes."""
+
+    def __init__(self, device: torch.device, capacity: int):
+        self.device = device
+        self.capacity = capacity
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
+        kept = self._free.get(dtype)
+        if numel > self.capacity:  # (not a size the layout makes: served, not kept)
+            return (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=self.device)
+        base = kept.pop() if kept else torch.empty(self.capacity, dtype=dtype, device=self.device)
+        view = base[:numel]
+        return view.zero_() if zeroed else view
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        if base.device == self.device and base.dim() == 1 and base.numel() == self.capacity:
+            self._free.setdefault(base.dtype, []).append(base)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for kept in self._free.values() for t in kept]
+
+
 class FullGradStore:
     """Stage 1 (see module doc)."""
 
@@ -230,6 +259,11 @@ class PartitionedGradStore:
         self.device = flat_params.device
         self.chunk_grads = [torch.zeros(b.chunk_numel, dtype=self.dtype, device=self.device)
                             for b in self.layout.buckets]
+        # chunk_grads[b] is all zeros (since zero()): the bucket's first reduction writes into it directly,
+        # with no output buffer to add from.
+        self._fresh = [True] * len(self.layout.buckets)
+        self._buffer_pool = _BufferPool(self.device, max((b.padded_numel for b in self.layout.buckets), default=0))
+        self._output_pool = _BufferPool(self.device, max((b.chunk_numel for b in self.layout.buckets), default=0))
         self._bucket_of = self.layout.bucket_of_param()
         self._slot_of = self.layout.slot_of()
         self._buffers: dict[int, torch.Tensor] = {}
@@ -321,13 +355,19 @@ class PartitionedGradStore:
     def _buffer(self, bucket: Bucket) -> torch.Tensor:
         buf = self._buffers.get(bucket.index)
         if buf is None:
-            buf = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)
+            buf = self._buffer_pool.take(bucket.padded_numel, self.dtype, zeroed=True)
             self._buffers[bucket.index] = buf
         return buf
 
     def _launch(self, bucket: Bucket) -> None:
         self._buffer(bucket)  # a bucket no gradient reached this step (unused on this rank) joins as zeros
-        self.reducer.launch(bucket, self._buffers.pop(bucket.index))
+        out = None
+        if self.reducer.comm_dtype in (None, self.dtype):  # (else the reducer converts, into outputs of its own)
+            if self._fresh[bucket.index]:
+                out, self._fresh[bucket.index] = self.chunk_grads[bucket.index], False
+            else:
+                out = self._output_pool.take(bucket.chunk_numel, self.dtype)
+        self.reducer.launch(bucket, self._buffers.pop(bucket.index), out=out)
         # Bound the memory of reductions: one bucket on the wire while the next one fills.
         self._accumulate(keep=MAX_BUCKETS_IN_FLIGHT)
 
@@ -337,8 +377,12 @@ class PartitionedGradStore:
         self._in_backward = True
 
     def _accumulate(self, keep: int) -> None:
-        for bucket, chunk, _buffer in self.reducer.drain(keep):
-            self.chunk_grads[bucket.index].add_(chunk)
+        for bucket, chunk, buffer in self.reducer.drain(keep):
+            target = self.chunk_grads[bucket.index]
+            if chunk is not target:  # (a first reduction wrote into the chunk itself)
+                target.add_(chunk)
+                self._output_pool.give(chunk)
+            self._buffer_pool.give(buffer)
 
     def finish_backward(self, is_boundary: bool) -> None:
         # Stage 2 reduces every micro-step: keeping full gradients until the
@@ -374,14 +418,19 @@ class PartitionedGradStore:
     def zero(self) -> None:
         # A backward that failed part-way (an error in the loss's graph) may have left buckets filled or on
         # the wire: finish those reductions (every rank launched them) and drop them with the rest.
-        for _ in self.reducer.drain(0):
-            pass
+        for _bucket, chunk, buffer in self.reducer.drain(0):
+            if not any(chunk is c for c in self.chunk_grads):
+                self._output_pool.give(chunk)
+            self._buffer_pool.give(buffer)
+        for buf in self._buffers.values():
+            self._buffer_pool.give(buf)
         self._buffers.clear()
         self._launcher.reset()
         self._in_backward = False
         self._has_strays = False
         for c in self.chunk_grads:
             c.zero_()
+        self._fresh = [True] * len(self.chunk_grads)
         for p in self.params:
             p.grad = None
 
@@ -389,4 +438,4 @@ class PartitionedGradStore:
         return list(self.chunk_grads)
 
     def comm_buffers(self) -> list[torch.Tensor]:
-        return list(self._buffers.values())
+        return list(self._buffers.values()) + self._buffer_pool.tensors() + self._output_pool.tensors()

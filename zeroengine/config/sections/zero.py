@@ -7,7 +7,7 @@ rewritten in ``legacy.py`` before this model sees the config.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -65,6 +65,14 @@ class ZeroConfig(ConfigModel):
     stage3_max_reuse_distance: NonNegativeInt = Field(
         1_000_000_000, description=_STAGE3 + "A parameter used again within this many elements "
                                              "of fetches is kept gathered.")
+    stage3_fetch_unit: Literal["module", "block"] = Field(
+        "module", description=_STAGE3 + "zeroengine's own key: what one fetch gathers. 'module': each module's "
+                              "own parameters just before it runs (DeepSpeed's way). 'block': each block (a child "
+                              "of the model's nn.ModuleLists, e.g. a transformer layer) gathers all its parameters "
+                              "at once and its inner modules run without hooks, as an FSDP2 fully_shard'ed block: "
+                              "fewer, larger gathers and much less Python work per step (350M GPT, one H100: "
+                              "26.0% -> 31.7% MFU), one block's parameters gathered at a time. engine.compile() "
+                              "always fetches by block.")
     stage3_gather_16bit_weights_on_model_save: bool = Field(
         False, description=_STAGE3 + "Gather the full 16-bit weights when saving, so the saved module "
                                      "state_dict is complete.")

@@ -1,0 +1,48 @@
+"""Stages 2 and 3 reuse their per-step gradient buffers (bucket buffers, reduction outputs): after the first
+step the gradient store allocates nothing, and each bucket's first reduction of a step writes into its gradient
+chunk directly (no output buffer to add from)."""
+import pytest
+import torch
+from parity import base_config, global_batches, make_model
+
+import zeroengine
+from zeroengine.zero import grad_stores
+
+
+def _count_allocations(monkeypatch) -> list[int]:
+    """Buffers the gradient store's pool had to allocate (a take it could not serve from what was given back)."""
+    allocated = [0]
+    take = grad_stores._BufferPool.take
+
+    def counting_take(pool, numel, dtype, zeroed=False):
+        if not pool._free.get(dtype):
+            allocated[0] += 1
+        return take(pool, numel, dtype, zeroed)
+
+    monkeypatch.setattr(grad_stores._BufferPool, "take", counting_take)
+    return allocated
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_steady_step_allocates_no_gradient_buffers(stage, monkeypatch):
+    cfg = base_config(2, 2, 1, 1.0, stage=stage)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 500  # several buckets
+    torch.manual_seed(0)
+    engine, opt, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    allocated, counts = _count_allocations(monkeypatch), []
+    for step in global_batches(4, 2, 1, 2):
+        before = allocated[0]
+        for x, y in (m[0] for m in step):
+            engine.backward(engine(x, y))
+            engine.step()
+        counts.append(allocated[0] - before)
+    assert counts[0] > 0 and counts[2:] == [0, 0], counts
+    # What the pools keep is counted in memory_breakdown's buffers: at most the buckets in use at once (those
+    # in flight and the one filling), each of the largest bucket's size, however many sizes the buckets have.
+    # (Stage 3 here fills every bucket before the first goes: its first bucket in launch order holds the tied
+    # embedding, whose gradient is complete only at the end of backward. The pool keeps what that needs.)
+    held = sum(t.numel() * t.element_size() for t in opt.grad_store.comm_buffers())
+    bucket_bytes = max(b.padded_numel for b in opt.layout.buckets) * 4
+    assert len({b.padded_numel for b in opt.layout.buckets}) > 3
+    in_use = grad_stores.MAX_BUCKETS_IN_FLIGHT + 1 if stage == 2 else len(opt.layout.buckets)
+    assert 0 < held <= 2 * in_use * bucket_bytes, (held, bucket_bytes)
