@@ -116,32 +116,42 @@ class _InOrderLauncher:
 
 
 class _BufferPool:
-    """Buffers of one kind (bucket buffers, or reduction outputs) kept for the next micro-step: a step
-    allocates nothing after the first (on CPU, freed buffers would otherwise stay in glibc's heap and
-    fragment it; on an accelerator, its caching allocator does the same job at a cost per call). Every
-    buffer has the capacity of the largest request, and a request gets a view of its size, so the pool
-    holds at most as many buffers as were in use at once, whatever the buckets' sizes."""
+    """A few buffers of one kind (bucket buffers, or reduction outputs) kept for the next micro-step, so a
+    steady step allocates nothing (on CPU, freed buffers would otherwise stay in glibc's heap and fragment
+    it; an accelerator's caching allocator does the same job, at a cost per call). A request gets the
+    smallest kept buffer that holds it (a view of its size), else a new one of its exact size; at most
+    ``keep`` buffers are kept, the largest given back (the buckets in use at once in a steady backward: those
+    in flight and the one filling), so what the pool holds stays bounded when a backward fills many buckets at
+    once."""
 
-    def __init__(self, device: torch.device, capacity: int):
+    def __init__(self, device: torch.device, keep: int = MAX_BUCKETS_IN_FLIGHT + 1):
         self.device = device
-        self.capacity = capacity
-        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
 
     def take(self, numel: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
-        kept = self._free.get(dtype)
-        if numel > self.capacity:  # (not a size the layout makes: served, not kept)
+        fits = [i for i, t in enumerate(self._free) if t.dtype == dtype and t.numel() >= numel]
+        if not fits:
             return (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=self.device)
-        base = kept.pop() if kept else torch.empty(self.capacity, dtype=dtype, device=self.device)
+        base = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         view = base[:numel]
         return view.zero_() if zeroed else view
 
     def give(self, buf: torch.Tensor) -> None:
+        """Keep ``buf`` (its whole base) when fewer than ``keep`` are kept, else in place of a smaller one: the
+        pool converges to the largest buffers, which serve every request."""
         base = buf._base if buf._base is not None else buf
-        if base.device == self.device and base.dim() == 1 and base.numel() == self.capacity:
-            self._free.setdefault(base.dtype, []).append(base)
+        if base.device != self.device or base.dim() != 1:
+            return
+        if len(self._free) < self.keep:
+            self._free.append(base)
+            return
+        smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+        if self._free[smallest].numel() < base.numel():
+            self._free[smallest] = base
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for kept in self._free.values() for t in kept]
+        return list(self._free)
 
 
 class FullGradStore:
@@ -262,8 +272,8 @@ class PartitionedGradStore:
         # chunk_grads[b] is all zeros (since zero()): the bucket's first reduction writes into it directly,
         # with no output buffer to add from.
         self._fresh = [True] * len(self.layout.buckets)
-        self._buffer_pool = _BufferPool(self.device, max((b.padded_numel for b in self.layout.buckets), default=0))
-        self._output_pool = _BufferPool(self.device, max((b.chunk_numel for b in self.layout.buckets), default=0))
+        self._buffer_pool = _BufferPool(self.device)
+        self._output_pool = _BufferPool(self.device)
         self._bucket_of = self.layout.bucket_of_param()
         self._slot_of = self.layout.slot_of()
         self._buffers: dict[int, torch.Tensor] = {}
