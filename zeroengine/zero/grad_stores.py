@@ -120,11 +120,11 @@ class _BufferPool:
     steady step allocates nothing (on CPU, freed buffers would otherwise stay in glibc's heap and fragment
     it; an accelerator's caching allocator does the same job, at a cost per call). A request gets the
     smallest kept buffer that holds it (a view of its size), else a new one of its exact size; at most
-    ``keep`` buffers are kept, the largest given back (the buckets in use at once in a steady backward: those
-    in flight and the one filling), so what the pool holds stays bounded when a backward fills many buckets at
-    once."""
+    ``keep`` buffers are kept, the largest given back (what a steady backward uses at once: the buckets in
+    flight and those filling, a tied weight's bucket and the next), so what the pool holds stays bounded
+    when a backward fills many buckets at once."""
 
-    def __init__(self, device: torch.device, keep: int = MAX_BUCKETS_IN_FLIGHT + 1):
+    def __init__(self, device: torch.device, keep: int = MAX_BUCKETS_IN_FLIGHT + 2):
         self.device = device
         self.keep = keep
         self._free: list[torch.Tensor] = []
@@ -274,6 +274,7 @@ class PartitionedGradStore:
         self._fresh = [True] * len(self.layout.buckets)
         self._buffer_pool = _BufferPool(self.device)
         self._output_pool = _BufferPool(self.device)
+        self.peak_buckets_filling = 0  # most bucket buffers filling at once (full-size gradients held)
         self._bucket_of = self.layout.bucket_of_param()
         self._slot_of = self.layout.slot_of()
         self._buffers: dict[int, torch.Tensor] = {}
@@ -367,6 +368,7 @@ class PartitionedGradStore:
         if buf is None:
             buf = self._buffer_pool.take(bucket.padded_numel, self.dtype, zeroed=True)
             self._buffers[bucket.index] = buf
+            self.peak_buckets_filling = max(self.peak_buckets_filling, len(self._buffers))
         return buf
 
     def _launch(self, bucket: Bucket) -> None:

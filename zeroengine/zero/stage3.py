@@ -35,17 +35,26 @@ class Stage3Params:
 
 def split_params(module: torch.nn.Module, trainable_ids: set[int], persistence_threshold: int):
     """(trainable, frozen) :class:`Stage3Params`: one unit per module owning parameters, in reverse module
-    order (backward order); a shared parameter belongs to the first module met; persistent ones last.
-    Non-floating parameters (integer tables: ids, indices) are in neither: they stay whole on every rank in
-    their own dtype, as at stages 0-2 (a buffer in the training dtype would round them, 16777217 to 16777216)."""
+    order (backward order); persistent ones last. A shared parameter (a tied embedding and head) goes with the
+    module registered first, the use whose backward comes last: its gradient is complete only then, and
+    gradient buckets are sent in layout order, so placing it with the head would hold every other bucket's
+    gradients until the end of backward. Non-floating parameters (integer tables: ids, indices) are in
+    neither: they stay whole on every rank in their own dtype, as at stages 0-2 (a buffer in the training
+    dtype would round them, 16777217 to 16777216)."""
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
+    backward_order = list(reversed(list(module.modules())))
+    last_use = {}  # id(parameter) -> the unit of its last module in backward order
+    for unit, m in enumerate(backward_order):
+        for p in m._parameters.values():
+            if p is not None:
+                last_use[id(p)] = unit
     picked = {True: ([], []), False: ([], [])}  # trainable? -> (partitioned, persistent) lists of (p, unit)
     seen = set()
-    for unit, m in enumerate(reversed(list(module.modules()))):
+    for unit, m in enumerate(backward_order):
         for p in m._parameters.values():
-            if p is None or id(p) in seen or not p.is_floating_point():
+            if p is None or id(p) in seen or not p.is_floating_point() or last_use[id(p)] != unit:
                 continue
             seen.add(id(p))
             persistent = full_shape(p).numel() < persistence_threshold

@@ -16,8 +16,9 @@ their own). For every module that directly owns partitioned parameters:
   the module's input gradients exist (its backward is done), or at the end
   of backward.
 
-Tied parameters (GPT-2's embedding and head) live in the unit of their first
-owner; any module using them fetches that unit. Persistent units (small
+Tied parameters (GPT-2's embedding and head) live in the unit of the module
+registered first (the embedding: see ``split_params``); any module using them
+fetches that unit. Persistent units (small
 parameters, ``stage3_param_persistence_threshold``) are never fetched here:
 they stay gathered.
 """
