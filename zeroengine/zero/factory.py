@@ -17,6 +17,7 @@ from zeroengine.precision.master_weights import MasterWeights
 
 from . import gather_order, host_memory
 from .blocks import find_blocks
+from .fetcher import FetchPolicy, Unit
 from .flat_params import FlatParamBuffer
 from .gather_order import GatherOrderCheck
 from .gathered import register_partitioned
@@ -30,7 +31,7 @@ from .partitioned_params import FetchStats, PartitionedParamBuffer
 from .sharded import ShardedOptimizer
 from .stage0 import DataParallelOptimizer
 from .stage3 import Stage3Optimizer, Stage3Params, persistent_buckets, split_params
-from .stage3_hooks import FetchPolicy, Stage3Hooks, Unit
+from .stage3_hooks import Stage3Hooks
 
 IMPLEMENTED_STAGES = (0, 1, 2, 3)
 

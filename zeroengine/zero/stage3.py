@@ -102,7 +102,7 @@ class Stage3Optimizer(ShardedOptimizer):
         stats = {k: getattr(s, k) for k in ("on_demand", "prefetched", "waited_in_flight", "gathered_numel",
                                              "live_numel", "peak_live_numel")}
         if self.hooks is not None:
-            trace = self.hooks.trace
+            trace = self.hooks.fetcher.trace
             stats.update(trace_state=trace.state.value, trace_events=len(trace.events),
                          trace_recordings=trace.recordings, trace_divergences=trace.divergences)
         return stats

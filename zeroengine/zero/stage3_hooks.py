@@ -1,15 +1,17 @@
-"""Stage 3's module hooks: gather parameters just before a module runs, free them after, prefetch ahead.
+"""Stage 3's module hooks: module calls become fetch events; the :class:`Fetcher` decides what to gather.
 
 The parameters are grouped in *units*: one bucket of a partitioned buffer
 (trainable parameters in the optimizer's buffer, frozen ones in a buffer of
-their own). For every module that directly owns partitioned parameters:
+their own). For every module that directly owns partitioned parameters (or,
+with ``stage3_fetch_unit: "block"`` and under ``engine.compile()``, every
+block, for its whole subtree):
 
-* forward pre-hook: a fetch event for the units holding them (gather them,
-  and prefetch along the recorded trace, see :mod:`zeroengine.zero.prefetch`);
-* forward post-hook: release them (a module called twice gathers twice)
-  unless the trace says they are needed again soon; when autograd will come
-  back through this module, register a hook on its outputs that fires a
-  backward fetch event just before its backward runs;
+* forward pre-hook: a fetch event for the units holding them (the fetcher
+  gathers them, and prefetches along the recorded trace: :mod:`.fetcher`);
+* forward post-hook: the call is done with them (the fetcher releases them,
+  or keeps them when the trace says they are needed again soon); when
+  autograd will come back through this module, a hook on its outputs fires
+  a backward fetch event just before its backward runs;
 * trainable units are released by the gradient store's
   :meth:`Stage3Hooks.on_bucket_grads_ready` once every gradient of the bucket
   exists (no backward computation needs them after that); frozen units once
@@ -34,32 +36,14 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from zeroengine.activation_checkpointing.checkpoint import register_recompute_context
-from zeroengine.progress import get_logger
 
 from .external import external_parameters, unwatch_registrations, watch_registrations
-from .gather_order import Stage3DivergenceError
+from .fetcher import Fetcher, FetchPolicy, Unit
 from .layout import Bucket
 from .param_guard import PartitionedParameterError
-from .partitioned_params import PartitionedParamBuffer
-from .prefetch import ExecutionTrace, FetchEvent, TraceState
+from .prefetch import FetchEvent, TraceState
 
-_log = get_logger()
 _CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict, torch.nn.ModuleList, torch.nn.ModuleDict)
-
-
-@dataclass(frozen=True)
-class Unit:
-    buffer: PartitionedParamBuffer
-    bucket: Bucket
-    trainable: bool
-
-    @property
-    def numel(self) -> int:
-        return self.bucket.padded_numel
-
-    @property
-    def persistent(self) -> bool:
-        return self.bucket.index in self.buffer.persistent
 
 
 @dataclass
@@ -70,33 +54,14 @@ class _FrozenHold:
     started: bool = False
 
 
-@dataclass(frozen=True)
-class FetchPolicy:
-    """The stage-3 tuning keys, in elements (DeepSpeed's units)."""
-
-    prefetch_numel: int = 50_000_000
-    max_live_numel: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-
-    @classmethod
-    def from_config(cls, zero_config) -> "FetchPolicy":
-        return cls(int(zero_config.stage3_prefetch_bucket_size), int(zero_config.stage3_max_live_parameters),
-                   int(zero_config.stage3_max_reuse_distance))
-
-
 class Stage3Hooks:
     def __init__(self, module: torch.nn.Module, units: list[Unit], unit_of_param: dict[int, int],
                  policy: FetchPolicy = FetchPolicy()):
         self.units = units
-        self.policy = policy
-        self.trace = ExecutionTrace([u.numel for u in units])
-        self.in_use: dict[int, int] = defaultdict(int)
+        self.fetcher = Fetcher(units, policy)
         self._trainable_unit = {u.bucket.index: i for i, u in enumerate(units) if u.trainable}
-        self.prefetched: set[int] = set()  # fetched ahead, not yet asked for
-        self.kept: set[int] = set()  # kept gathered after use (reuse distance)
         self.handles = []
         self._unit_of_param = unit_of_param
-        self._order_check = units[0].buffer.order_check if units else None  # one check shared by the buffers
         self._name_of = {id(m): name for name, m in module.named_modules()}  # this model's modules
         self._active: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # units fetched per running call
         self._frozen_pending: dict[int, int] = defaultdict(int)  # frozen unit -> calls whose backward is to come
@@ -149,16 +114,16 @@ class Stage3Hooks:
         subtree before it runs and free them after; the modules inside run without hooks. What compiling a
         block needs (torch.compile traces the block's forward, which must not reach into Python hooks that
         gather and free), and what FSDP2 does per ``fully_shard``ed block. Between passes only."""
-        if any(self._active.values()) or self.trace.in_pass:
+        if any(self._active.values()):
             raise RuntimeError("stage 3 can regroup its fetches only between training steps")
         unknown = [type(b).__name__ for b in blocks if id(b) not in self._name_of]
         if unknown:
             raise ValueError(f"not modules of this model: {unknown}")
+        self.fetcher.forget_order()  # the fetch events are the blocks' now: record the order again
         for handle in self.handles:
             if handle is not self._begin_handle:
                 handle.remove()
         self.handles = []
-        self.trace.forget()  # the fetch events are the blocks' now: record the order again
         self._wire(frozenset(id(b) for b in blocks))
 
     def remove(self) -> None:
@@ -237,24 +202,18 @@ class Stage3Hooks:
     # -- hooks ---------------------------------------------------------------------
     def _begin_pass(self, _module, _args) -> None:
         self._check_unhooked()
-        if any(self._active.values()) or any(self.in_use.values()):
+        if any(self._active.values()) or self.fetcher.running_units():
             # The model's forward starts, so no module is running: these counts are left by a forward that
             # raised (its modules' post-hooks never ran). Forget them, or their units stay gathered for good
             # and count as a checkpointed segment's enclosing parameters.
             self._active.clear()
-            self.in_use.clear()
+            self.fetcher.forget_uses()
             self.end_pass(completed=False)
-        elif self.trace.in_pass:
-            if torch.is_grad_enabled():
-                was_replaying = self.trace.replaying
-                if self.trace.continue_pass():  # another forward before the backward: the same pass
-                    if was_replaying and not self.trace.replaying:
-                        self._release_idle(tuple(self.prefetched | self.kept))  # fetched for the old order
-                    return
+        elif self.fetcher.trace.in_pass:
+            if torch.is_grad_enabled() and self.fetcher.continue_pass():  # another forward before the backward
+                return
             self.end_pass()  # a forward with no backward after it
-        self.trace.begin_pass(torch.is_grad_enabled())
-        if self._order_check is not None:
-            self._order_check.begin_pass(self.trace.replaying)
+        self.fetcher.begin_pass(torch.is_grad_enabled())
 
     def _pre_forward(self, label: str, owned: tuple[int, ...], registered=(), post_id=None):
         def hook(module, args):
@@ -266,9 +225,8 @@ class Stage3Hooks:
             self._active[id(module)].append(units)
             if not units:
                 return
-            self._need(FetchEvent(label, "forward", units))
-            for u in units:
-                self.in_use[u] += 1
+            self.fetcher.need(FetchEvent(label, "forward", units))
+            self.fetcher.acquire(units)
 
         return hook
 
@@ -283,10 +241,7 @@ class Stage3Hooks:
                 unit = self.units[u]
                 if any(unit.buffer.shares_memory_with(unit.bucket, t) for t in returned):
                     unit.buffer.leave_memory_to_views(unit.bucket)
-            for u in units:
-                self.in_use[u] -= 1
-                if self.in_use[u] == 0:
-                    self._release_or_keep(u)
+            self.fetcher.release_use(units)
             if torch.is_grad_enabled():
                 outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if outputs:
@@ -295,139 +250,23 @@ class Stage3Hooks:
 
                     def on_backward(_grads):
                         self._frozen_backward_started(call)
-                        self._need(FetchEvent(label, "backward", units))
+                        self.fetcher.need(FetchEvent(label, "backward", units))
 
                     register_multi_grad_hook(outputs, on_backward, mode="any")
 
         return hook
 
-    # -- fetching --------------------------------------------------------------------
-    def _need(self, event: FetchEvent) -> None:
-        first = self.units[event.units[0]]
-        check = first.buffer.order_check
-        if check is None:
-            self._fetch(event)
-            return
-        with check.event(event.module, event.phase, (first.buffer.order_tag, first.bucket.index), event.units):
-            self._fetch(event)
-
-    def _fetch(self, event: FetchEvent) -> None:
-        """Gather what ``event`` needs and, on the trace, prefetch what comes after it."""
-        was_replaying = self.trace.replaying
-        expected = self.trace.expected()
-        on_trace = self.trace.observe(event)
-        if was_replaying and not on_trace:
-            # Left the trace: what was fetched ahead for the old order is not needed.
-            self._release_idle(tuple(self.prefetched | self.kept), keep=event.units)
-            self._report_departure(event, expected)
-        label = f"module {event.module} ({event.phase})"
-        for u in event.units:
-            self._gather_now(u, event.units, label)
-            self.prefetched.discard(u)
-            self.kept.discard(u)
-        if on_trace:
-            self._prefetch()
-
-    def _report_departure(self, event: FetchEvent, expected: FetchEvent | None) -> None:
-        """Say where this rank left the recorded order, before its next gather: when the other ranks did not
-        leave it too, that gather pairs with a different one of theirs. The end of the pass names a wrong
-        pairing; one of different sizes aborts the process first (gloo) or hangs (NCCL), and then this line
-        is what names the module."""
-        if self._order_check is None or self._order_check.per_event:
-            return  # no peers, or the check compares this event before anything is gathered
-        wanted = f"module {expected.module} ({expected.phase})" if expected else "the end of the pass"
-        _log.warning(f"rank {self._order_check.rank}: stage 3 left its recorded parameter-fetch order at module "
-                     f"{event.module} ({event.phase}), where the trace has {wanted}; this pass gathers on demand "
-                     "from here (a change every rank makes is fine; a rank that alone runs other modules "
-                     "desynchronises the gathers: ZEROENGINE_STAGE3_ORDER_CHECK=event names it before they pair)")
-
-    def _gather_now(self, u: int, keep: tuple[int, ...], label: str) -> bool:
-        """Make unit ``u`` gathered (waiting for its prefetch, or gathering it on demand after making room
-        under max_live, sparing ``keep``); True when it was not fetched before."""
-        unit = self.units[u]
-        fetched = unit.buffer.is_fetched(unit.bucket)
-        if not fetched:
-            self._make_room(unit.numel, keep=keep)
-        unit.buffer.gather(unit.bucket, label)
-        return not fetched
-
-    def _prefetch(self) -> None:
-        ahead = sum(self.units[u].numel for u in self.prefetched)
-        for event in self.trace.upcoming():
-            for u in event.units:
-                unit = self.units[u]
-                if unit.buffer.is_fetched(unit.bucket):
-                    continue
-                if ahead + unit.numel > self.policy.prefetch_numel or \
-                        self._live() + unit.numel > self.policy.max_live_numel:
-                    return
-                unit.buffer.fetch_async(unit.bucket, f"module {event.module} ({event.phase})")
-                self.prefetched.add(u)
-                ahead += unit.numel
-
-    def _live(self) -> int:
-        return self.units[0].buffer.stats.live_numel  # one FetchStats shared by the buffers
-
-    def _make_room(self, numel: int, keep: tuple[int, ...]) -> None:
-        """Free kept, then prefetched, units (not needed now) until ``numel`` more fits under max_live."""
-        for pool in (self.kept, self.prefetched):
-            for u in sorted(pool):
-                if self._live() + numel <= self.policy.max_live_numel:
-                    return
-                if u not in keep and self.in_use[u] == 0:
-                    self._release(u)
-
-    def _release_or_keep(self, u: int) -> None:
-        distance = self.trace.reuse_distance(u)
-        if distance is not None and distance <= self.policy.max_reuse_distance and \
-                self._live() <= self.policy.max_live_numel:
-            self.kept.add(u)
-            return
-        self._release(u)
-
-    def _release(self, u: int) -> None:
-        unit = self.units[u]
-        unit.buffer.release(unit.bucket)
-        self.prefetched.discard(u)
-        self.kept.discard(u)
-
-    def _release_idle(self, units, keep: tuple[int, ...] = ()) -> None:
-        for u in units:
-            if u not in keep and self.in_use[u] == 0:
-                self._release(u)
-
-    # -- activation checkpointing -------------------------------------------------------
+    # -- activation checkpointing (the fetcher holds; the hooks are asked) ------------------------
     def running_units(self) -> tuple[int, ...]:
         """Units of the modules whose forward is running now (a checkpointed segment's enclosing modules)."""
-        return tuple(u for u, n in self.in_use.items() if n > 0)
+        return self.fetcher.running_units()
 
-    @contextlib.contextmanager
     def holding(self, units: tuple[int, ...]):
-        """Keep ``units`` gathered for the block (a segment's recompute and its inner backward). Only units
-        the hold had to gather are released after it: one already gathered belongs to whoever gathered it
-        (a backward still needs it for a gradient the segment does not produce, e.g. a position embedding
-        its module added before the segment)."""
-        gathered_here = []
-        for u in units:
-            if self._gather_now(u, units, "activation checkpoint recompute"):
-                gathered_here.append(u)
-            self.in_use[u] += 1
-        try:
-            yield
-        finally:
-            for u in units:
-                self.in_use[u] -= 1
-            for u in gathered_here:
-                if self.in_use[u] == 0:
-                    self._release_or_keep(u)
+        return self.fetcher.holding(units)
 
     # -- called by the gradient store / the optimizer --------------------------------
     def on_bucket_grads_ready(self, bucket: Bucket) -> None:
-        u = self._trainable_unit[bucket.index]
-        if self.in_use[u] == 0:
-            # Usually the unit's last use in the pass; not when the recorded pass backpropagates through its
-            # module again (two forwards before one backward), and then it is kept as after a forward.
-            self._release_or_keep(u)
+        self.fetcher.bucket_grads_ready(self._trainable_unit[bucket.index])
 
     def _watch_backward_done(self, call: "_FrozenHold", args) -> None:
         """A call's frozen units (released by no gradient of their own) stay, once its backward has started,
@@ -458,23 +297,14 @@ class Stage3Hooks:
             self._frozen_pending[u] -= 1
             if self._frozen_pending[u] <= 0:
                 del self._frozen_pending[u]
-                self._release_idle((u,))
+                self.fetcher.release_idle((u,))
 
     def end_pass(self, completed: bool = True) -> None:
         """End of backward (or a forward nobody backpropagated): anything still gathered is freed. A pass
         ``completed`` on this rank is compared with the other ranks' (see :mod:`.gather_order`); one that
         raised here is not (the others may never arrive)."""
         self._frozen_pending.clear()
-        self.trace.end_pass()
-        self._release_idle(range(len(self.units)))
-        self.prefetched.clear()
-        self.kept.clear()
-        if self._order_check is not None:
-            try:
-                self._order_check.end_pass(completed)
-            except Stage3DivergenceError:
-                self.trace.forget()  # every rank records the order afresh (they raise alike)
-                raise
+        self.fetcher.end_pass(completed)
 
     def after_backward(self, completed: bool) -> None:
         """The optimizer's callback once a backward finished (``completed``) or raised."""
@@ -486,7 +316,7 @@ class Stage3Hooks:
 
     @property
     def trace_state(self) -> TraceState:
-        return self.trace.state
+        return self.fetcher.trace.state
 
 
 # The stage-3 hooks objects alive now: asked what a checkpointed segment's recompute must hold.
