@@ -15,7 +15,7 @@ def _count_allocations(monkeypatch) -> list[int]:
     take = grad_stores._BufferPool.take
 
     def counting_take(pool, numel, dtype, zeroed=False):
-        if not any(t.dtype == dtype and t.numel() >= numel for t in pool._free):
+        if not any(t.dtype == dtype and t.numel() >= numel for t in pool.tensors()):
             allocated[0] += 1
         return take(pool, numel, dtype, zeroed)
 

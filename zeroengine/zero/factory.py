@@ -20,14 +20,14 @@ from .blocks import find_blocks
 from .fetcher import FetchPolicy, Unit
 from .flat_params import FlatParamBuffer
 from .gather_order import GatherOrderCheck
-from .gathered import register_partitioned
 from .grad_stores import BucketReducer, FullGradStore, PartitionedGradStore
 from .init import InitReshard, is_init_partitioned
 from .layout import build_layout
-from .moe_split import ExpertDataParallelOptimizer, build_sharded_with_experts, split_domains
+from .moe_split import ExpertDataParallelOptimizer, ExpertShardedOptimizer, ParamDomain, split_domains
 from .optimizer import ZeroOptimizer, trained_group_of
 from .param_guard import full_shape
 from .partitioned_params import FetchStats, PartitionedParamBuffer
+from .records import record_buffer
 from .sharded import ShardedOptimizer
 from .stage0 import DataParallelOptimizer
 from .stage3 import Stage3Optimizer, Stage3Params, persistent_buckets, split_params
@@ -57,8 +57,9 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
         if stage == 0:
             return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
                                  domains)
-        return build_sharded_with_experts(stage, module, optimizer, policy, loss_scaler, zero_config,
-                                          gradient_clipping, comm_dtype, domains)
+        parts = _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping,
+                               comm_dtype, domains)
+        return ExpertShardedOptimizer(parts, optimizer, policy, loss_scaler, gradient_clipping)
     if stage == 0:
         return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype)
     if stage in (1, 2):
@@ -119,20 +120,42 @@ def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, com
 
 
 def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
-    group_of = trained_group_of(optimizer)
     # Layout in reverse registration order: roughly the order backward produces
     # gradients, so stage 2's buckets fill (and launch) front to back.
+    group_of = trained_group_of(optimizer)
     params = [p for p in reversed(list(module.parameters())) if id(p) in group_of]
-    # Detached fp32 values survive the re-homing below (they keep the old storage alive until the masters are cut).
-    fp32_values = [p.detach() for p in params] if policy.mixed else None
-    rank, world = comm.get_rank(), comm.get_world_size()
-    layout = build_layout([p.numel() for p in params], world, int(zero_config.reduce_bucket_size))
-    flat = FlatParamBuffer(params, layout, policy.param_dtype, rank)
+    world = comm.get_world_size()
+    everything = ParamDomain(params, group=None, rank=comm.get_rank(), world=world, divisor=world)
+    return _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype,
+                          [everything])[0]
+
+
+def _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype,
+                   domains: list[ParamDomain]) -> list[ShardedOptimizer]:
+    """Stages 1-2, per domain (the whole model; or with MoE, the dense parameters and each expert-data-
+    parallel group's): a flat buffer over the domain's group, the stage's gradient store, and a
+    ShardedOptimizer stepping this rank's pieces. The one torch optimizer's groups hold every part's pieces."""
+    group_of = trained_group_of(optimizer)
+    # Detached fp32 values of every domain before any cast: they keep the old storage alive until the masters
+    # are cut from them (the masters start from exact weights).
+    fp32_values = [[p.detach() for p in d.params] if policy.mixed else None for d in domains]
+    flats = [FlatParamBuffer(d.params, build_layout([p.numel() for p in d.params], d.world,
+                                                    int(zero_config.reduce_bucket_size)),
+                             policy.param_dtype, d.rank, group=d.group) for d in domains]
     module.to(policy.param_dtype)  # whatever is not trainable (buffers, frozen params) follows
-    reducer = BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
-    grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
-    return _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, flat, params, fp32_values, grad_store,
-                     group_of)
+    parts, merged = [], [[] for _ in optimizer.param_groups]
+    for d, flat, values in zip(domains, flats, fp32_values):
+        reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
+                                divisor=d.divisor)
+        grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
+        # adopt_param_groups (in _assemble) gives the groups this part's pieces: collected, merged below
+        parts.append(_assemble(module, optimizer, policy, loss_scaler, clip, zero_config, flat, d.params, values,
+                               grad_store, group_of))
+        for i, g in enumerate(optimizer.param_groups):
+            merged[i].extend(g["params"])
+    for g, params in zip(optimizer.param_groups, merged):
+        g["params"] = params
+    return parts
 
 
 def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
@@ -180,9 +203,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
                         fp32_values, grad_store, group_of, after_backward=hooks.after_backward, cls=Stage3Optimizer,
                         hooks=hooks, frozen_params=frozen_buffer)
     if frozen_buffer is not None:
-        for bucket in frozen_buffer.layout.buckets:
-            for slot in bucket.slots:
-                register_partitioned(frozen_buffer.params[slot.index], frozen_buffer, bucket.index, None, slot.index)
+        record_buffer(frozen_buffer, None)
     return sharded
 
 
@@ -215,12 +236,11 @@ def _cast_floating_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 def _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, params, fp32_values, grad_store,
               group_of, after_backward=None, cls=ShardedOptimizer, **stage_parts) -> ShardedOptimizer:
     """What stages 1-3 share once parameters and gradients have their homes: the sharded optimizer,
-    its param groups, and the registry GatheredParameters and the full-value helpers use. ``stage_parts``:
-    what ``cls`` alone takes (stage 3's hooks and frozen-parameter buffer)."""
+    its param groups, and the parameters' records (zero/records.py). ``stage_parts``: what ``cls`` alone
+    takes (stage 3's hooks and frozen-parameter buffer)."""
     sharded = cls(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store,
-                  buffer.rank, after_backward=after_backward, offload=zero_config.offload_optimizer, **stage_parts)
+                  buffer.rank, group=buffer.group, after_backward=after_backward,
+                  offload=zero_config.offload_optimizer, **stage_parts)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
-    for bucket in buffer.layout.buckets:
-        for slot in bucket.slots:
-            register_partitioned(params[slot.index], buffer, bucket.index, sharded, slot.index)
+    record_buffer(buffer, sharded)
     return sharded

@@ -22,6 +22,8 @@ class ParamBuffer:
     parameter) and ``PartitionedParamBuffer`` (stage 3, a rank holds its chunks).
     """
 
+    partitioned = False  # True where a rank holds only its chunks (stage 3)
+
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None):
         self.params = params

@@ -13,19 +13,16 @@ import torch
 
 from zeroengine import comm
 
-from .gathered import partition_entry
+from .records import record_of
 
 
 def _entry(param: torch.Tensor):
-    entry = partition_entry(param)
-    if entry is None:
+    record = record_of(param)
+    if record is None:
         raise ValueError("this parameter is not sharded by a zeroengine ZeRO stage (1-3): at stage 0 read it and "
                          "its .grad directly (in fp16 training .grad is multiplied by engine.loss_scale until the "
                          "step unscales it)")
-    buffer, bucket_index, owner, param_index = entry
-    bucket = buffer.layout.buckets[bucket_index]
-    slot = next(s for s in bucket.slots if s.index == param_index)
-    return owner, bucket, slot, buffer.full_shape(param_index)
+    return record.owner, record.bucket, record.slot, record.shape
 
 
 def _trained_entry(param: torch.Tensor):
@@ -48,7 +45,7 @@ def _gather_slice(owner, bucket, slot, shape, chunk: torch.Tensor, buffer=None) 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     owner, bucket, slot, shape = _entry(param)
     if owner is None:  # a frozen stage-3 parameter: its partitioned buffer is all there is
-        buffer = partition_entry(param)[0]
+        buffer = record_of(param).buffer
         return _gather_slice(None, bucket, slot, shape, buffer.chunk_view(bucket, buffer.rank).float(), buffer)
     return _gather_slice(owner, bucket, slot, shape, owner.chunks[bucket.index].float())
 

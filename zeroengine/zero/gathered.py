@@ -8,49 +8,23 @@ from them. Parameters that are not partitioned pass through untouched.
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
 
 from zeroengine import comm
 
-from .flat_params import FlatParamBuffer
 from .gather_order import GATHERED_PARAMETERS_LABEL
 from .init import InitShard, is_init_partitioned
 from .param_guard import info_of, mark_gathered, mark_partitioned
-from .partitioned_params import PartitionedParamBuffer
-
-# id(parameter) -> (weak ref to it, its param buffer, bucket index, the ShardedOptimizer owning it, its index).
-# Keyed by id, not by tensor: tensors compare elementwise, so they cannot be dict keys by value.
-_REGISTRY: dict[int, tuple] = {}
-
-
-def register_partitioned(param: torch.nn.Parameter, buffer, bucket_index: int, owner, param_index: int) -> None:
-    key = id(param)
-    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), buffer, bucket_index, owner,
-                      param_index)
-
-
-def partition_entry(param: torch.Tensor):
-    """``(buffer, bucket index, owning optimizer, parameter index)`` of a parameter a ZeRO buffer holds (as
-    ``register_partitioned`` recorded it), or None."""
-    entry = _REGISTRY.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1:]
-
-
-def _stage3_entry(param: torch.Tensor):
-    """The registry entry of a stage-3 parameter (one whose buffer partitions it), else None."""
-    entry = partition_entry(param)
-    return entry if entry is not None and isinstance(entry[0], PartitionedParamBuffer) else None
+from .records import record_of
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
     """True for a stage-3 parameter (empty between uses, or persistent: whole on every rank while its
     gradient and optimizer state are partitioned), or one built under zero.Init."""
-    return _stage3_entry(param) is not None or is_init_partitioned(param)
+    record = record_of(param)
+    return (record is not None and record.partitioned) or is_init_partitioned(param)
 
 
 class GatheredParameters:
@@ -84,15 +58,14 @@ class GatheredParameters:
                     mark_gathered(p)
                     self._init_gathered.append((p, shard))
                 continue
-            entry = partition_entry(p)
-            if entry is not None and isinstance(entry[0], PartitionedParamBuffer):
-                buffer, index, owner, _ = entry
-                seen[(id(buffer), index)] = (buffer, index, owner)
-            elif (self.modifier_rank is not None and entry is not None and isinstance(entry[0], FlatParamBuffer)
-                  and entry[0].group is None):
+            record = record_of(p)
+            if record is not None and record.partitioned:
+                seen[(id(record.buffer), record.bucket.index)] = (record.buffer, record.bucket.index, record.owner)
+            elif self.modifier_rank is not None and record is not None and record.buffer.group is None:
                 # Stages 1-2 (world-wide buffers): the parameters are whole on every rank, but the optimizer
                 # steps its own master chunks, so a modifier's edit is broadcast and taken into them on exit.
-                self._flat[(id(entry[0]), entry[1])] = (entry[0], entry[1], entry[2])
+                self._flat[(id(record.buffer), record.bucket.index)] = (record.buffer, record.bucket.index,
+                                                                         record.owner)
             elif isinstance(p, torch.Tensor):
                 passed_through += 1
         if passed_through and self.modifier_rank is not None and comm.get_world_size() > 1:

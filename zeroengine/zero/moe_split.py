@@ -29,11 +29,7 @@ from zeroengine import comm
 from zeroengine.comm.bucketing import all_reduce_mean_in_buckets
 from zeroengine.memory import MemoryTally
 
-from .flat_params import FlatParamBuffer
-from .gathered import register_partitioned
-from .grad_stores import BucketReducer, FullGradStore, PartitionedGradStore
-from .layout import build_layout
-from .optimizer import StatePiece, ZeroOptimizer, finite_sqrt, trained_group_of
+from .optimizer import StatePiece, ZeroOptimizer, finite_sqrt
 from .sharded import ShardedOptimizer
 from .stage0 import DataParallelOptimizer
 
@@ -195,34 +191,3 @@ class ExpertShardedOptimizer(ZeroOptimizer):
     def after_checkpoint_load(self) -> None:
         for part in self.parts:
             part.after_checkpoint_load()
-
-
-def build_sharded_with_experts(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype,
-                               domains: list[ParamDomain]) -> ExpertShardedOptimizer:
-    """Stages 1-2: a flat buffer, gradient store and sharded optimizer per domain."""
-    group_of = trained_group_of(optimizer)
-    # fp32 values of every domain before any cast (the masters start from exact weights).
-    fp32_values = [[p.detach() for p in d.params] if policy.mixed else None for d in domains]
-    flats = []
-    for d in domains:
-        layout = build_layout([p.numel() for p in d.params], d.world, int(zero_config.reduce_bucket_size))
-        flats.append(FlatParamBuffer(d.params, layout, policy.param_dtype, d.rank, group=d.group))
-    module.to(policy.param_dtype)
-    parts, merged = [], [[] for _ in optimizer.param_groups]
-    for d, flat, values in zip(domains, flats, fp32_values):
-        reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
-                                 divisor=d.divisor)
-        grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
-        part = ShardedOptimizer(module, optimizer, policy, loss_scaler, clip, flat, values, grad_store, d.rank,
-                                group=d.group, offload=zero_config.offload_optimizer)
-        # adopt_param_groups replaces the groups' params with this part's pieces: collect, merge below.
-        part.adopt_param_groups([group_of[id(p)] for p in d.params])
-        for i, g in enumerate(optimizer.param_groups):
-            merged[i].extend(g["params"])
-        for bucket in flat.layout.buckets:
-            for slot in bucket.slots:
-                register_partitioned(d.params[slot.index], flat, bucket.index, part, slot.index)
-        parts.append(part)
-    for g, params in zip(optimizer.param_groups, merged):
-        g["params"] = params
-    return ExpertShardedOptimizer(parts, optimizer, policy, loss_scaler, clip)

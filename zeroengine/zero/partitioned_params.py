@@ -79,6 +79,7 @@ class FetchStats:
 
 
 class PartitionedParamBuffer(ParamBuffer):
+    partitioned = True
     order_check = None  # a GatherOrderCheck shared by the model's buffers, set once they all exist
     order_tag = 0  # this buffer's number in the check (0 trainable, 1 frozen)
 
