@@ -1,9 +1,11 @@
 """engine.compile() and the compile config section: each block's forward under torch.compile (CPU inductor) at
-ZeRO stages 0-3, with and without offload, trains as the eager engine does (fp32, 1e-5), on 2 ranks."""
+ZeRO stages 0-3, with and without offload, and with activation checkpointing, trains as the eager engine does
+(fp32, 1e-5), on 2 ranks."""
 import torch
 from parity import base_config, engine_losses, global_batches, make_model
 
 import zeroengine
+from zeroengine.checkpointing import checkpoint_modules
 from zeroengine.testing import run_distributed
 from zeroengine.zero import GatheredParameters
 
@@ -17,6 +19,7 @@ CASES = {
     "stage2_offload": dict(stage=2, offload_optimizer={"device": "cpu"}),
     "stage3_offload": dict(stage=3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}),
     "stage3_by_config": dict(stage=3, by_config=True),  # "compile": {"enabled": true} instead of engine.compile()
+    "stage3_checkpointed": dict(stage=3, checkpointed=True),  # every block's activations recomputed
 }
 
 
@@ -27,7 +30,10 @@ def _train(rank, world, case: dict, compiled: bool):
             cfg["zero_optimization"][key] = case[key]
     if compiled and case.get("by_config"):
         cfg["compile"] = {"enabled": True, "backend": "inductor"}
-    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    model = make_model()
+    if case.get("checkpointed"):
+        checkpoint_modules(model, "Block")
+    engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
     if compiled and not case.get("by_config"):
         engine.compile()
     assert engine.is_compiled == compiled
