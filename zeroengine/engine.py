@@ -165,8 +165,8 @@ class Engine(torch.nn.Module):
             self._log.warning("engine.compile(): the model is already compiled; nothing to do")
             return
         targets = compilation.compile_targets(self.module, self.zero_stage)
-        if self.zero_stage == 3:
-            self.optimizer.hooks.fetch_whole([t for t in targets if t is not self.module])
+        if self.zero_stage == 3:  # (at stage 3 the targets are blocks or the model's children, never the model)
+            self.optimizer.hooks.fetch_whole(targets)
         for target in targets:
             compilation.compile_forward(target, backend, dict(compile_kwargs or {}))
         self._compiled = True
@@ -385,8 +385,7 @@ class Engine(torch.nn.Module):
     def _report_progress(self) -> None:
         # Every rank takes part in the loss average (one tiny collective per print).
         local_loss, rate = self._meter.close_window()
-        total = local_loss.reshape(1).to(comm.device_for_backend(), torch.float64)
-        comm.all_reduce(total)
+        total = comm.all_reduce_value(local_loss.to(comm.device_for_backend(), torch.float64))
         loss = float(total) / self.world_size  # the print's one host read
         if self.global_rank != 0:
             return

@@ -90,9 +90,8 @@ class _LossSum:
         self.total = None
         self.count = 0
 
-    def add(self, loss) -> None:
-        value = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss),
-                                                                                                   dtype=torch.float64)
+    def add(self, loss: torch.Tensor) -> None:
+        value = loss.detach().to(torch.float64)
         self.total = value if self.total is None else self.total + value
         self.count += 1
 

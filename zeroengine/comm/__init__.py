@@ -18,6 +18,7 @@ from .collectives import (
     all_gather,
     all_reduce,
     all_reduce_scalar,
+    all_reduce_value,
     all_to_all_single,
     barrier,
     broadcast,
@@ -31,7 +32,7 @@ from .handshake import HandshakeTimeout, handshakes
 from .sequence_check import CollectiveMismatchError
 
 __all__ = [
-    "all_gather", "all_reduce", "all_reduce_scalar", "all_to_all_single", "barrier", "broadcast",
+    "all_gather", "all_reduce", "all_reduce_scalar", "all_reduce_value", "all_to_all_single", "barrier", "broadcast",
     "collective_context", "CollectiveError", "control_all_gather", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
     "device_for_backend", "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in",
     "get_world_size", "handshakes", "host_group", "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp",

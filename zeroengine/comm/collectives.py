@@ -222,6 +222,14 @@ def all_reduce_scalar(value: float, op=ReduceOp.SUM, group=None) -> float:
     return t.item()
 
 
+def all_reduce_value(value: torch.Tensor, op=ReduceOp.SUM, group=None) -> torch.Tensor:
+    """Reduce a one-element tensor across ranks where it lives (a gradient norm's partial sum, a loss): no host
+    read, unlike :func:`all_reduce_scalar`. Returns a new 0-dim tensor; ``value`` is left as it was."""
+    reduced = value.reshape(1).clone()
+    all_reduce(reduced, op=op, group=group)
+    return reduced[0]
+
+
 def control_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """A tiny synchronous all-gather of bookkeeping (e.g. which stage-3 bucket each rank is about to
     gather), counted as ``control`` so the data volumes the ZeRO formulas speak of stay exact."""

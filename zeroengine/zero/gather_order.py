@@ -29,10 +29,9 @@ When, is the cost: a host round trip whose latency grows with the world size.
   and a rank that runs other collectives instead is named at the check's
   deadline.
 * *per pass* (the default once the order is recorded and replayed): each
-  rank folds its rows into a running CRC, and the end of the pass (the end
-  of backward, before any optimizer step can use its gradients) compares
-  (count, CRC): one 16-byte all-gather per pass whatever the model's module
-  count. On a mismatch the ranks exchange their rows to name, for each rank,
+  rank keeps its rows, and the end of the pass (the end of backward, before
+  any optimizer step can use its gradients) compares their count and CRC:
+  one 16-byte all-gather per pass whatever the model's module count. On a mismatch the ranks exchange their rows to name, for each rank,
   the first point where they differ; the step is never applied. Between the
   divergence and the pass's end the data collectives may pair wrongly (then
   the comparison names it) or, with different sizes, abort (gloo) or hang
@@ -83,7 +82,8 @@ def enabled() -> bool:
     return mode() != "off"
 
 
-_ROW = struct.Struct("<6q")  # a row as the running CRC folds it
+_ROW_LEN = 6  # kind, buffer tag, bucket, label hash, phase, hash of the event's units
+_ROW = struct.Struct(f"<{_ROW_LEN}q")  # a row as the pass's CRC folds it
 
 
 class GatherOrderCheck:
@@ -105,7 +105,6 @@ class GatherOrderCheck:
         self._covered = False  # inside a fetch event, or a refresh every rank makes alike: its gathers follow
         self._deferred = False  # in a pass whose rows are compared at its end
         self._rows: list[tuple[int, ...]] = []  # this pass's rows, while deferred
-        self._crc = 0
         # hash -> label, for naming what other ranks gathered for
         self._labels: dict[int, str] = {zlib.crc32(GATHERED_PARAMETERS_LABEL.encode()): GATHERED_PARAMETERS_LABEL}
 
@@ -136,7 +135,7 @@ class GatherOrderCheck:
         self._name_divergence(rows, everyone.view(self.world, 2)[:, 0].tolist())
 
     def _forget(self) -> None:
-        self._rows, self._crc, self._deferred = [], 0, False
+        self._rows, self._deferred = [], False
 
     # -- the rows ----------------------------------------------------------------------------
     def verify(self, tag: int, bucket: Bucket, label: str) -> None:
@@ -234,9 +233,6 @@ class GatherOrderCheck:
         if kind == self._EVENT:
             return f"{purpose}, needing {where}"
         return f"{where} for {purpose}"
-
-
-_ROW_LEN = 6
 
 
 def _crc_of(rows: list[tuple[int, ...]]) -> int:

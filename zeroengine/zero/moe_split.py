@@ -103,9 +103,8 @@ class ExpertDataParallelOptimizer(DataParallelOptimizer):
         expert_ids = set().union(*self._stepped_grads_of) if self._stepped_grads_of else set()
         total = self.local_norm_sq([g for g in grads if id(g) not in expert_ids])
         for d, ids in zip(self.expert_domains, self._stepped_grads_of):
-            part = self.local_norm_sq([g for g in grads if id(g) in ids], total.device).reshape(1)
-            comm.all_reduce(part, group=d.norm_group)
-            total = total + part[0]
+            part = self.local_norm_sq([g for g in grads if id(g) in ids], total.device)
+            total = total + comm.all_reduce_value(part, group=d.norm_group)
         return finite_sqrt(total)
 
     def checkpoint_pieces(self) -> list[StatePiece]:
@@ -140,9 +139,7 @@ class ExpertShardedOptimizer(ZeroOptimizer):
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Every element is owned once in the world; each part knows which of its gradients are still scaled.
-        total = sum(part.local_grad_norm_sq() for part in self.parts).reshape(1)
-        comm.all_reduce(total)
-        return finite_sqrt(total[0])
+        return finite_sqrt(comm.all_reduce_value(sum(part.local_grad_norm_sq() for part in self.parts)))
 
     def _clip_grads(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         for part in self.parts:

@@ -166,9 +166,7 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Each rank holds a disjoint shard (padding is zero): the squares add up across ranks.
-        total = self.local_grad_norm_sq().reshape(1)
-        comm.all_reduce(total, group=self.group)
-        return finite_sqrt(total[0])
+        return finite_sqrt(comm.all_reduce_value(self.local_grad_norm_sq(), group=self.group))
 
     def _clip_grads(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         if self._fp32_chunk_grads:
