@@ -60,6 +60,7 @@ class Engine(torch.nn.Module):
         self._timers = StepTimers() if config.wall_clock_breakdown else None
         self._log = get_logger()
         self.monitor = None  # a zeroengine.monitor.StepRecorder, set by initialize() when the config enables one
+        self.autoep = None  # what expert_parallel (AutoEP) converted: a zeroengine.moe.autoep.Conversion, or None
         self._destroyed = False
         self._compiled = False
 
@@ -299,7 +300,7 @@ class Engine(torch.nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held by this rank: by kind (params, grads, ...) and by place (cpu, device)."""
         tally = self.optimizer.memory_tally()
-        tally.add("buffers", comm_scratch.held_tensors())  # gloo's collective temporaries, kept for reuse
+        tally.add("buffers", comm_scratch.tensors())  # gloo's collective temporaries, kept for reuse
         return tally.as_dict()
 
     # -- checkpoints (zeroengine.checkpoint) ----------------------------------
@@ -311,6 +312,7 @@ class Engine(torch.nn.Module):
         under adapters); load such a checkpoint with ``load_module_strict=False``."""
         from zeroengine.checkpoint import save_checkpoint
 
+        self.optimizer.land_delayed_update()  # saved = every update applied, so resuming equals going on
         try:
             return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                    exclude_frozen_parameters=exclude_frozen_parameters)
@@ -331,6 +333,7 @@ class Engine(torch.nn.Module):
         ``exclude_frozen_parameters=True``."""
         from zeroengine.checkpoint import load_checkpoint
 
+        self.optimizer.land_delayed_update()  # no background step may write what the load writes
         try:
             return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                    load_lr_scheduler_states=load_lr_scheduler_states,
@@ -346,6 +349,7 @@ class Engine(torch.nn.Module):
         """
         from zeroengine.checkpoint.model_file import save_16bit_model
 
+        self.optimizer.land_delayed_update()
         try:
             return save_16bit_model(self, save_dir, save_filename)
         finally:
@@ -364,6 +368,7 @@ class Engine(torch.nn.Module):
         if self.zero_stage != 3:
             raise ValueError("_zero3_consolidated_16bit_state_dict needs ZeRO stage 3 (at stages 0-2 every rank "
                              "holds the full weights: use engine.module.state_dict())")
+        self.optimizer.land_delayed_update()
         return gathered_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
 
     def _restart_monitor_window(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -124,6 +125,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     device = comm.device_for_backend()
     model.to(device)
     broadcast_initial_state(model)  # every rank starts from rank 0's weights, as under DeepSpeed and DDP
+    autoep = _convert_moe_blocks(cfg, model)  # after the broadcast: each rank keeps its experts of rank 0's values
 
     torch_optimizer = _resolve_optimizer(cfg, model, optimizer, model_parameters)
     if torch_optimizer.state:
@@ -145,6 +147,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank)
     engine.monitor = build_recorder(cfg.monitor, comm.get_rank())
+    engine.autoep = autoep
     if cfg.compile.enabled:
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     loader = None
@@ -153,6 +156,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   rank=comm.get_rank(), world_size=comm.get_world_size(),
                                   drop_last=cfg.dataloader_drop_last)
     return engine, zero_optimizer, loader, scheduler
+
+
+def _convert_moe_blocks(cfg, model):
+    """AutoEP (the ``expert_parallel`` section): the model's MoE blocks get expert-parallel experts."""
+    if not cfg.expert_parallel.enabled:
+        return None
+    from zeroengine.moe.autoep import convert_moe_blocks
+
+    try:
+        conversion = convert_moe_blocks(model, cfg.expert_parallel)
+    except ValueError as error:
+        raise ConfigError("expert_parallel", str(error).removeprefix("expert_parallel: ")) from None
+    if comm.get_rank() == 0:
+        logging.getLogger("zeroengine").info(
+            f"expert_parallel: {len(conversion.blocks)} MoE blocks of {conversion.num_experts} experts spread over "
+            f"expert-parallel groups of {conversion.ep_size} (preset {conversion.preset or 'custom'})")
+    return conversion
 
 
 def _resolve_optimizer(cfg, model, optimizer, model_parameters):

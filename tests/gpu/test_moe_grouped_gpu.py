@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from zeroengine.moe import MoE
-from zeroengine.moe.grouped import _grouped_mm_supported, grouped_mlp_modules, mlp_spec
+from zeroengine.moe.grouped import grouped_mlp_modules, grouped_mm_supported, mlp_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -24,7 +24,7 @@ def test_grouped_matches_loop_on_cuda(dtype, hidden, counts):
                for _ in range(6)]
     x = torch.randn(sum(counts), hidden, device="cuda", dtype=dtype, requires_grad=True)
     probe = torch.randn_like(x)
-    print("grouped_mm", dtype, hidden, _grouped_mm_supported(x, torch.empty(1, hidden, 128, device="cuda",
+    print("grouped_mm", dtype, hidden, grouped_mm_supported(x, torch.empty(1, hidden, 128, device="cuda",
                                                                               dtype=dtype)))
     y = grouped_mlp_modules(experts, x, counts, mlp_spec(experts[0]))
     (y * probe).sum().backward()

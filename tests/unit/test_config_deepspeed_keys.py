@@ -49,7 +49,6 @@ KEYS = [
     ("", "tensor_parallel", {"autotp_size": 0}, {"autotp_size": 2}, "set autotp_size to 0"),
     ("", "timers", {"throughput": {"enabled": True, "synchronized": True}},
      {"throughput": {"enabled": "yes"}}, "throughput"),
-    ("", "expert_parallel", {"enabled": False}, {"enabled": True, "autoep_size": 2}, "zeroengine.moe.MoE"),
     ("", "weight_quantization", {"quantized_initialization": {}, "post_init_quant": {}},
      {"quantized_initialization": {"num_bits": 8, "group_size": 64}}, "set enabled=false"),
     ("", "use_data_before_expert_parallelism", False, True, "set it to false"),

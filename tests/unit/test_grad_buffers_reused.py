@@ -12,14 +12,14 @@ from zeroengine.zero import grad_stores
 def _count_allocations(monkeypatch) -> list[int]:
     """Buffers the gradient store's pool had to allocate (a take it could not serve from what was given back)."""
     allocated = [0]
-    take = grad_stores._BufferPool.take
+    take = grad_stores.BufferPool.take
 
-    def counting_take(pool, numel, dtype, zeroed=False):
-        if not any(t.dtype == dtype and t.numel() >= numel for t in pool.tensors()):
+    def counting_take(pool, numel, dtype, device, zeroed=False):
+        if not any(t.numel() * t.element_size() >= numel * dtype.itemsize for t in pool.tensors()):
             allocated[0] += 1
-        return take(pool, numel, dtype, zeroed)
+        return take(pool, numel, dtype, device, zeroed)
 
-    monkeypatch.setattr(grad_stores._BufferPool, "take", counting_take)
+    monkeypatch.setattr(grad_stores.BufferPool, "take", counting_take)
     return allocated
 
 
@@ -41,8 +41,8 @@ def test_a_steady_step_allocates_no_gradient_buffers(stage, monkeypatch):
     # steady backward (those in flight and those filling), each no larger than the largest bucket. At stage
     # 3 that needs the tied embedding's bucket last in launch order (zero/stage3.py split_params): its
     # gradient is complete only at the end of backward, and first it held every other bucket back.
-    held = [t.numel() for t in opt.grad_store.comm_buffers()]
-    largest = max(b.padded_numel for b in opt.layout.buckets)
+    held = [t.nbytes for t in opt.grad_store.comm_buffers()]
+    largest = max(b.padded_numel for b in opt.layout.buckets) * opt.grad_store.chunk_grads[0].element_size()
     assert len({b.padded_numel for b in opt.layout.buckets}) > 3
     assert 0 < len(held) <= 2 * (grad_stores.MAX_BUCKETS_IN_FLIGHT + 2) and max(held) <= largest, held
     assert opt.grad_store.peak_buckets_filling <= grad_stores.MAX_BUCKETS_IN_FLIGHT + 2, \

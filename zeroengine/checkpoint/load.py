@@ -346,6 +346,7 @@ def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler
     engine.global_samples = counters["global_samples"]
     engine.micro_steps = counters["micro_steps"]
     engine.skipped_steps = counters["skipped_steps"]
+    engine.optimizer.steps_applied = engine.global_steps - engine.skipped_steps
     groups = engine.optimizer.param_groups
     if optimizer_states:  # (group_order was checked before anything was written: _Plan._match_groups)
         for index, values in zip(group_order, common["param_groups"]):

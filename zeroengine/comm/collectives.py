@@ -171,7 +171,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
 
     def finish():
         torch.sum(received.view(world, -1), dim=0, out=output)
-        scratch.give_back(received)
+        scratch.give(received)
 
     return _call("reduce_scatter", _nbytes(input), group,
                  lambda: dist.all_to_all_single(received, input, group=group, async_op=async_op), async_op, finish)
@@ -189,7 +189,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     copies.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
     return _call("all_gather", _nbytes(output), group,
                  lambda: dist.all_to_all_single(output, copies, group=group, async_op=async_op), async_op,
-                 lambda: scratch.give_back(copies))
+                 lambda: scratch.give(copies))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):

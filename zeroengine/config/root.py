@@ -16,6 +16,7 @@ from .errors import ConfigError
 from .sections.activation_checkpointing import ActivationCheckpointingConfig
 from .sections.checkpoint import CheckpointConfig
 from .sections.compile import CompileConfig
+from .sections.expert_parallel import ExpertParallelConfig
 from .sections.monitor import MonitorConfig
 from .sections.optimizer import OptimizerConfig
 from .sections.precision import BF16Config, FP16Config
@@ -63,6 +64,9 @@ class ZeroEngineConfig(ConfigModel):
                                    description="Metrics writers (see 'monitor').")
     compile: CompileConfig = Field(default_factory=CompileConfig,
                                    description="torch.compile block by block at initialize (see 'compile').")
+    expert_parallel: ExpertParallelConfig = Field(
+        default_factory=ExpertParallelConfig,
+        description="AutoEP: expert parallelism for Hugging Face MoE models (see 'expert_parallel').")
     zero_allow_untested_optimizer: bool = Field(
         False, description="Allow a client optimizer other than Adam/AdamW/SGD/CPUAdam with ZeRO stages 1-3.")
     gradient_predivide_factor: PositiveFloat = Field(

@@ -196,8 +196,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("dump_state", off_value(False), "printing the engine state at startup"),
         Unsupported("eigenvalue", ENABLED_FALSE, "Hessian eigenvalue computation"),
         Unsupported("elasticity", ENABLED_FALSE, "elastic batch sizes across world sizes"),
-        Unsupported("expert_parallel", ENABLED_FALSE, "AutoEP, expert parallelism applied automatically to "
-                    "HuggingFace MoE blocks; zeroengine's expert parallelism is zeroengine.moe.MoE(ep_size=...)"),
         Unsupported("flops_profiler", ENABLED_FALSE, "FLOPs profiler"),
         Unsupported("gradient_allreduce_op", checked("set it to \"mean\"", "`\"mean\"` (any capitalisation)",
                                                      lambda v: isinstance(v, str) and v.lower() == "mean"),

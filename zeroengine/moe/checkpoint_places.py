@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .autoep.experts import ShardedExperts
 from .grouped import GroupedMLPExperts
 from .layer import MoE
 
@@ -30,12 +31,20 @@ def expert_checkpoint_places(module: torch.nn.Module) -> dict[str, StoredAs]:
     (:class:`~zeroengine.moe.grouped.GroupedMLPExperts`) hold experts ``a .. b`` in
     one ``[count, ...]`` parameter ``...local_experts.w1``: stored as elements
     ``a * per_expert ..`` of ``...local_experts.w1`` shaped ``[num_experts, ...]``.
-    Either way a checkpoint reshards over any ``ep_size`` that divides
-    ``num_experts``. Dense parameters are not listed.
+    AutoEP's experts (:class:`~zeroengine.moe.autoep.ShardedExperts`) are stored the same way under the
+    model's own names (``...mlp.experts.gate_up_proj`` shaped ``[num_experts, 2I, H]``), so a checkpoint
+    consolidates into a state_dict of the unconverted model. Either way a checkpoint reshards over any
+    ``ep_size`` that divides ``num_experts``. Dense parameters are not listed.
     """
     present = dict(module.named_parameters())
     places: dict[str, StoredAs] = {}
     for prefix, sub in module.named_modules():
+        if isinstance(sub, ShardedExperts):  # AutoEP: the model's own stacked names and full shapes
+            for rest, p in sub.named_parameters(recurse=False):
+                name = f"{prefix}.{rest}" if prefix else rest
+                if present.get(name) is p:
+                    places[name] = StoredAs(name, sub.first * p[0].numel(), (sub.num_experts, *p.shape[1:]))
+            continue
         if not isinstance(sub, MoE):
             continue
         head = f"{prefix}.local_experts" if prefix else "local_experts"

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .expert_group import SERIAL_BELOW, call_expert
-from .grouped import GroupedMLPExperts, grouped_mlp_modules, has_hooks, mlp_spec
+from .grouped import GroupedMLPExperts, RowExperts, grouped_mlp_modules, has_hooks, mlp_spec
 from .grouped_cpu import GradWorkspace
 from .params import tag_expert_params
 
@@ -84,7 +84,7 @@ def init_experts(experts: nn.Module, global_ids: Sequence[int], init_fn: Callabl
 
 def runs_per_module(experts: nn.Module) -> bool:
     """Whether :func:`run_experts` would call each of several experts on its own slice (not grouped GEMMs)."""
-    if isinstance(experts, GroupedMLPExperts) or len(experts) < 2:
+    if isinstance(experts, RowExperts) or len(experts) < 2:
         return False
     return not (isinstance(experts, ExpertList) and experts.use_grouped())
 
@@ -95,8 +95,8 @@ def run_experts(experts: nn.Module, x: torch.Tensor, counts: Sequence[int]) -> t
     Every expert runs, even on zero rows, so every expert parameter gets a
     gradient (zeros) each step and gradient hooks fire identically on all ranks.
     """
-    if isinstance(experts, GroupedMLPExperts):
-        return experts(x, counts)
+    if isinstance(experts, RowExperts):
+        return experts.run_rows(x, counts)
     if isinstance(experts, ExpertList) and experts.use_grouped():
         return grouped_mlp_modules(experts, x, counts, experts.spec, experts.grad_workspace)
     if len(experts) == 1:  # one expert per rank (ep_size == num_experts): no split / concatenate copies

@@ -70,7 +70,7 @@ def mlp_spec(expert: nn.Module) -> MLPSpec | None:
 
 
 # -- the compute ------------------------------------------------------------------------------------
-def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs this device/dtype here (probed once with a tiny call)."""
     if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
@@ -89,7 +89,7 @@ def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return _GROUPED_MM_OK[key]
 
 
-class _Rows:
+class ExpertRows:
     """Per-row expert ids, offsets and padding slots of an expert-contiguous batch (counts: host ints)."""
 
     def __init__(self, counts: Sequence[int], device: torch.device):
@@ -134,12 +134,12 @@ def grouped_mlp(x: torch.Tensor, counts: Sequence[int], w1: torch.Tensor, b1: to
     """
     if x.device.type == "cpu":
         return expert_mlp(x, counts, w1, b1, act, w2, b2, workspace or GradWorkspace())
-    rows = _Rows(counts, x.device)
+    rows = ExpertRows(counts, x.device)
     w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)  # [E, in, out] views, no copy
     # No rows at all: the bmm path on [E, 0, in] still gives every parameter (and x) a zero gradient.
     # An empty expert also goes there: _grouped_mm's weight gradient for an empty group did not match
     # the loop's zeros in a CUDA fp32 test (torch 2.11, H100), so it is used only when no batch is empty.
-    if min(rows.counts, default=0) > 0 and _grouped_mm_supported(x, w1t) and _grouped_mm_supported(x.new_empty(0, w1t.shape[2]), w2t):
+    if min(rows.counts, default=0) > 0 and grouped_mm_supported(x, w1t) and grouped_mm_supported(x.new_empty(0, w1t.shape[2]), w2t):
         offs = rows.offsets()
         index = rows.expert_of_row() if b1 is not None or b2 is not None else None
         h = torch._grouped_mm(x, w1t, offs=offs)
@@ -178,7 +178,15 @@ def grouped_mlp_modules(experts: Sequence[nn.Sequential], x: torch.Tensor, count
 
 
 # -- the stacked representation ---------------------------------------------------------------------
-class GroupedMLPExperts(nn.Module):
+class RowExperts:
+    """Local experts that run all their rows in one call: ``run_rows(x, counts)``, ``x`` holding
+    ``counts[i]`` consecutive rows for expert i (the dispatchers' interface to stacked experts)."""
+
+    def run_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class GroupedMLPExperts(nn.Module, RowExperts):
     """The local experts of an MoE layer as stacked parameters: ``w1 [E, ffn, hidden]``, ``b1 [E, ffn]``,
     ``w2 [E, out, ffn]``, ``b2 [E, out]`` (expert i's slice is its nn.Linear weight/bias).
 
@@ -211,6 +219,9 @@ class GroupedMLPExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         return grouped_mlp(x, counts, self.w1, self.b1, self.activation, self.w2, self.b2, self.grad_workspace)
+
+    def run_rows(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        return self(x, counts)
 
     def expert_module(self, i: int) -> nn.Sequential:
         m = copy.deepcopy(self._template[0]).to(device=self.w1.device, dtype=self.w1.dtype)

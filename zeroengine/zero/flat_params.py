@@ -80,9 +80,10 @@ class FlatParamBuffer(ParamBuffer):
         lo, hi = bucket.chunk_range(rank)
         return self.flat[lo:hi]
 
-    def after_step(self, chunks: list[torch.Tensor]) -> None:
-        """All-gather every bucket's updated chunks into every rank's parameters."""
-        self.finish_refresh([self.start_refresh(bucket, chunk) for bucket, chunk in zip(self.layout.buckets, chunks)])
+    def after_step(self, chunks: list[torch.Tensor | None]) -> None:
+        """All-gather every bucket's updated chunks into every rank's parameters (None: not this time)."""
+        self.finish_refresh([self.start_refresh(bucket, chunk) for bucket, chunk in zip(self.layout.buckets, chunks)
+                             if chunk is not None])
 
     def start_refresh(self, bucket: Bucket, chunk: torch.Tensor) -> "Refresh":
         """Start the all-gather of one bucket's updated chunk (an offloaded step overlaps it with the next

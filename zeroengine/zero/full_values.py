@@ -22,6 +22,8 @@ def _entry(param: torch.Tensor):
         raise ValueError("this parameter is not sharded by a zeroengine ZeRO stage (1-3): at stage 0 read it and "
                          "its .grad directly (in fp16 training .grad is multiplied by engine.loss_scale until the "
                          "step unscales it)")
+    if record.owner is not None:  # offload's delayed update: the masters and optimizer state are final then
+        record.owner.wait_delayed_update()
     return record.owner, record.bucket, record.slot, record.shape
 
 

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 import torch
 
 from zeroengine import comm
+from zeroengine.buffer_pool import BufferPool
 
 from .flat_params import FlatParamBuffer
 from .layout import Bucket, FlatLayout
@@ -113,45 +114,6 @@ class _InOrderLauncher:
     def reset(self) -> None:
         self.ready = [set() for _ in self.layout.buckets]
         self.next = 0
-
-
-class _BufferPool:
-    """A few buffers of one kind (bucket buffers, or reduction outputs) kept for the next micro-step, so a
-    steady step allocates nothing (on CPU, freed buffers would otherwise stay in glibc's heap and fragment
-    it; an accelerator's caching allocator does the same job, at a cost per call). A request gets the
-    smallest kept buffer that holds it (a view of its size), else a new one of its exact size; at most
-    ``keep`` buffers are kept, the largest given back (what a steady backward uses at once: the buckets in
-    flight and those filling, a tied weight's bucket and the next), so what the pool holds stays bounded
-    when a backward fills many buckets at once."""
-
-    def __init__(self, device: torch.device, keep: int = MAX_BUCKETS_IN_FLIGHT + 2):
-        self.device = device
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-
-    def take(self, numel: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
-        fits = [i for i, t in enumerate(self._free) if t.dtype == dtype and t.numel() >= numel]
-        if not fits:
-            return (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=self.device)
-        base = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        view = base[:numel]
-        return view.zero_() if zeroed else view
-
-    def give(self, buf: torch.Tensor) -> None:
-        """Keep ``buf`` (its whole base) when fewer than ``keep`` are kept, else in place of a smaller one: the
-        pool converges to the largest buffers, which serve every request."""
-        base = buf._base if buf._base is not None else buf
-        if base.device != self.device or base.dim() != 1:
-            return
-        if len(self._free) < self.keep:
-            self._free.append(base)
-            return
-        smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
-        if self._free[smallest].numel() < base.numel():
-            self._free[smallest] = base
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self._free)
 
 
 class FullGradStore:
@@ -272,8 +234,11 @@ class PartitionedGradStore:
         # chunk_grads[b] is all zeros (since zero()): the bucket's first reduction writes into it directly,
         # with no output buffer to add from.
         self._fresh = [True] * len(self.layout.buckets)
-        self._buffer_pool = _BufferPool(self.device)
-        self._output_pool = _BufferPool(self.device)
+        # Bucket buffers and reduction outputs kept for the next micro-step (zeroengine/buffer_pool.py): as many
+        # as a steady backward uses at once, the buckets in flight and those filling, a tied weight's bucket
+        # and the next.
+        self._buffer_pool = BufferPool(keep=MAX_BUCKETS_IN_FLIGHT + 2)
+        self._output_pool = BufferPool(keep=MAX_BUCKETS_IN_FLIGHT + 2)
         self.peak_buckets_filling = 0  # most bucket buffers filling at once (full-size gradients held)
         self._bucket_of = self.layout.bucket_of_param()
         self._slot_of = self.layout.slot_of()
@@ -366,7 +331,7 @@ class PartitionedGradStore:
     def _buffer(self, bucket: Bucket) -> torch.Tensor:
         buf = self._buffers.get(bucket.index)
         if buf is None:
-            buf = self._buffer_pool.take(bucket.padded_numel, self.dtype, zeroed=True)
+            buf = self._buffer_pool.take(bucket.padded_numel, self.dtype, self.device, zeroed=True)
             self._buffers[bucket.index] = buf
             self.peak_buckets_filling = max(self.peak_buckets_filling, len(self._buffers))
         return buf
@@ -378,7 +343,7 @@ class PartitionedGradStore:
             if self._fresh[bucket.index]:
                 out, self._fresh[bucket.index] = self.chunk_grads[bucket.index], False
             else:
-                out = self._output_pool.take(bucket.chunk_numel, self.dtype)
+                out = self._output_pool.take(bucket.chunk_numel, self.dtype, self.device)
         self.reducer.launch(bucket, self._buffers.pop(bucket.index), out=out)
         # Bound the memory of reductions: one bucket on the wire while the next one fills.
         self._accumulate(keep=MAX_BUCKETS_IN_FLIGHT)

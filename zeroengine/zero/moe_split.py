@@ -153,7 +153,7 @@ class ExpertShardedOptimizer(ZeroOptimizer):
         for part in self.parts:
             part.drop_resident_grads()
         for part in self.parts:
-            part.step_offloaded()
+            part.step_offloaded(self.steps_applied)
 
     def _refresh_model_params(self) -> None:
         for part in self.parts:
@@ -163,7 +163,17 @@ class ExpertShardedOptimizer(ZeroOptimizer):
         for part in self.parts:
             part.zero_grad(set_to_none)
 
+    def remove_hooks(self) -> None:
+        for part in self.parts:
+            part.remove_hooks()
+
+    def land_delayed_update(self) -> None:
+        for part in self.parts:
+            part.land_delayed_update()
+
     def memory_tally(self) -> MemoryTally:
+        for part in self.parts:
+            part.wait_delayed_update()  # a background step may be creating optimizer state
         tally = MemoryTally()  # one tally, so storages shared between parts count once
         for part in self.parts:
             tally.add("params", part.flat_params.held_tensors())

@@ -85,6 +85,7 @@ class ZeroOptimizer:
         # on every rank, as fp16's loss scaler does, instead of writing inf/nan into the weights.
         self.skip_nonfinite_steps = False
         self.overflow = False  # DeepSpeed's flag: whether the last step was skipped for non-finite gradients
+        self.steps_applied = 0  # optimizer steps not skipped (restored by a checkpoint load)
 
     # -- what torch.optim users and LR schedulers reach for ------------------
     @property
@@ -164,6 +165,10 @@ class ZeroOptimizer:
         """The pieces' values were overwritten: bring the model's parameters in line with them."""
         raise NotImplementedError
 
+    def land_delayed_update(self) -> None:
+        """offload_optimizer.delayed_update: write the update still on its way into the model's parameters
+        (collective). Before a save or load and destroy(), so what is saved or left is every update applied."""
+
     # -- the shared step ------------------------------------------------------
     @torch.no_grad()
     def step(self) -> StepResult:
@@ -188,6 +193,7 @@ class ZeroOptimizer:
         self._optimizer_step()
         self._refresh_model_params()
         self.zero_grad()
+        self.steps_applied += 1
         return StepResult(applied=True, norm=norm, loss_scale=scale_before)
 
     @staticmethod

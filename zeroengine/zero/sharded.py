@@ -16,7 +16,10 @@ fp32 masters and optimizer state in CPU memory and step there, streamed
 bucket by bucket (:mod:`zeroengine.offload.step`); the other, *resident*
 buckets step beside the parameters first, so an accelerator's step runs
 while the CPU steps. Resident gradients are unscaled where they are; offloaded
-ones are unscaled (and clipped) on the host.
+ones are unscaled (and clipped) on the host. With ``delayed_update`` the
+offloaded buckets step in a background thread during the next step's
+forward and backward (:mod:`zeroengine.offload.delayed`); their result is
+written into the model at the start of the next step (:meth:`land_delayed_update`).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 
 from zeroengine import comm
 from zeroengine.memory import MemoryTally
-from zeroengine.offload import OffloadedStep, place_buckets
+from zeroengine.offload import DelayedUpdate, OffloadedStep, place_buckets
 
 from .flat_params import gather_chunk
 from .layout import FlatLayout
@@ -58,6 +61,9 @@ class ShardedOptimizer(ZeroOptimizer):
         self.offloaded_step = None if not host else OffloadedStep(
             optimizer, self.layout, rank, self.chunks, self.pieces, copy_dtype, bool(offload.pin_memory),
             buckets=host)
+        self.delayed = None if not host or not offload.delayed_update else DelayedUpdate(
+            optimizer, self.layout, rank, self.pieces, host, bool(offload.pin_memory),
+            offload.delayed_update_warmup_steps)
         self.resident_buckets = [b.index for b in buckets if not self.on_host(b.index)]
         self._inv_scale, self._clip_coef = 1.0, 1.0
         self._refreshing: list = []  # all-gathers of updated buckets started by the offloaded step
@@ -126,8 +132,28 @@ class ShardedOptimizer(ZeroOptimizer):
         if self._after_backward is not None:  # stage 3: free, and compare the pass across ranks
             self._after_backward(True)
 
+    # -- the delayed update (offload_optimizer.delayed_update) ------------------
+    def wait_delayed_update(self) -> None:
+        """Let the background optimizer step finish (local): the masters and optimizer state are then final."""
+        if self.delayed is not None:
+            self.delayed.wait()
+
+    def land_delayed_update(self) -> None:
+        """Write the last delayed update into the model's parameters (collective at stages 1-2: an
+        all-gather). Called where every rank is: the next step's start, saving, destroy()."""
+        if self.delayed is None:
+            return
+        landed = set(self.delayed.take_landing())
+        if landed:
+            self.flat_params.after_step([self.chunks[b] if b in landed else None for b in range(len(self.chunks))])
+
+    def _in_flight(self, bucket_index: int) -> bool:
+        """Whether a background step may be writing this bucket's masters (or has, unseen by the model)."""
+        return self.delayed is not None and self.delayed.pending and self.on_host(bucket_index)
+
     def load_chunk_from_params(self, bucket_index: int) -> None:
         """Stage 3: a parameter was edited in place (GatheredParameters); make the master chunk follow."""
+        self.wait_delayed_update()
         bucket = self.layout.buckets[bucket_index]
         src = self.flat_params.chunk_view(bucket, self.rank)
         if self.chunks[bucket_index].data_ptr() != src.data_ptr():
@@ -137,6 +163,7 @@ class ShardedOptimizer(ZeroOptimizer):
         """Resident buckets' gradients unscaled in fp32 (set as their pieces' .grad), then the offloaded
         buckets' gradients as they are: those stay where they were reduced, loss-scaled, until the
         offloaded step copies them down and unscales them on the host."""
+        self.land_delayed_update()  # the last step's delayed update, before this step's gradients are read
         self._inv_scale, self._clip_coef = inv_scale, 1.0
         self._host_grads = [self.grad_store.chunk_grads[b] for b in range(len(self.layout.buckets))
                             if self.on_host(b) and self.grad_store.chunk_grads[b] is not None]
@@ -185,9 +212,15 @@ class ShardedOptimizer(ZeroOptimizer):
             for piece in self.pieces[b]:
                 piece.grad = None
 
-    def step_offloaded(self) -> None:
-        """After the resident buckets stepped: stream the offloaded ones through the CPU optimizer."""
+    def step_offloaded(self, steps_applied: int | None = None) -> None:
+        """After the resident buckets stepped: stream the offloaded ones through the CPU optimizer.
+        ``steps_applied``: the steps taken before this one (the wrapper's count when a part of it)."""
         if self.offloaded_step is None:
+            return
+        steps = self.steps_applied if steps_applied is None else steps_applied
+        if self.delayed is not None and steps >= self.delayed.warmup_steps:
+            # The thread reads the clipping factor: no wait for the device here.
+            self.delayed.start(self.grad_store.chunk_grads, self._inv_scale, self._clip_coef)
             return
         # The CPU optimizer needs the clipping factor on the host: offload's one wait for the device per step.
         self.offloaded_step.run(self.grad_store.chunk_grads, self._inv_scale, float(self._clip_coef),
@@ -212,25 +245,34 @@ class ShardedOptimizer(ZeroOptimizer):
             pending, self._refreshing = self._refreshing, []
             self.flat_params.finish_refresh(pending)
             return
-        self.flat_params.after_step(self.chunks)
+        self.flat_params.after_step(self._settled_chunks())
+
+    def _settled_chunks(self) -> list[torch.Tensor | None]:
+        """The chunks to write into the model now (None: a delayed update, written when it lands)."""
+        return [None if self._in_flight(b) else chunk for b, chunk in enumerate(self.chunks)]
 
     def remove_hooks(self) -> None:
+        self.land_delayed_update()
         self.grad_store.remove_hooks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_store.zero()
-        for pieces in self.pieces:
+        for b, pieces in enumerate(self.pieces):
+            if self._in_flight(b):  # the background step sets and clears these itself
+                continue
             for piece in pieces:
                 piece.grad = None
         self._fp32_chunk_grads, self._host_grads = [], []
 
     def offload_buffers(self) -> list[torch.Tensor]:
-        """Host buffers the offloaded step keeps (two buckets of fp32 gradients, two of 16-bit values)."""
+        """Host buffers the offloaded step keeps (two buckets of fp32 gradients, two of 16-bit values; with
+        delayed_update, the whole offloaded gradient shard in fp32)."""
         if self.offloaded_step is None:
             return []
-        return self.offloaded_step.held_tensors()
+        return self.offloaded_step.held_tensors() + (self.delayed.held_tensors() if self.delayed else [])
 
     def memory_tally(self) -> MemoryTally:
+        self.wait_delayed_update()  # the background step may be creating optimizer state
         tally = MemoryTally()
         flat_ids = {id(p) for p in self.flat_params.params}
         tally.add("params", self.flat_params.held_tensors())
@@ -250,6 +292,7 @@ class ShardedOptimizer(ZeroOptimizer):
         return list(self.flat_params.params)
 
     def checkpoint_pieces(self) -> list[StatePiece]:
+        self.wait_delayed_update()
         params = self.flat_params.params
         return [StatePiece(params[where.slot.index], where.param_start, where.param_end, piece, piece)
                 for bucket, pieces in zip(self.layout.buckets, self.pieces)

@@ -94,7 +94,7 @@ class Stage3Optimizer(ShardedOptimizer):
 
     def _refresh_model_params(self) -> None:
         written, self._written = self._written, set()
-        self.flat_params.after_step([None if b in written else chunk for b, chunk in enumerate(self.chunks)])
+        self.flat_params.after_step([None if b in written else chunk for b, chunk in enumerate(self._settled_chunks())])
 
     def fetch_stats(self) -> dict:
         """Gathers issued, prefetches, live elements (both buffers share one FetchStats)."""

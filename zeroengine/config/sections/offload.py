@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..base import ConfigModel, Fraction
+from ..base import ConfigModel, Fraction, NonNegativeInt
 
 OffloadDevice = Literal["cpu", "none"]
 
@@ -35,6 +35,17 @@ class OffloadOptimizerConfig(ConfigModel):
                          "optimizer; the rest stays on the accelerator and steps there, while the CPU steps its "
                          "part (DeepSpeed's partial offload). Rounded to whole buckets (reduce_bucket_size); "
                          "any ZeRO stage 1-3.")
+    delayed_update: bool = Field(
+        False, description="ZeRO-Offload's one-step delayed parameter update (DPU): the CPU optimizer steps "
+                           "with this step's gradients in a background thread while the next step's forward "
+                           "and backward run, and its result reaches the model one step later (each update "
+                           "uses gradients one step stale). Opt-in: it changes the training trajectory "
+                           "(benchmarks/bench_delayed_update.py measures by how much). Offloaded buckets "
+                           "only; resident ones (ratio below 1) update at once. Costs one fp32 copy of the "
+                           "offloaded gradient shard in CPU memory.")
+    delayed_update_warmup_steps: NonNegativeInt = Field(
+        40, description="Optimizer steps taken without delay before delayed_update starts (as ZeRO-Offload "
+                        "does: the first steps, when weights move most, use fresh gradients).")
 
     _device_is_supported = field_validator("device", mode="before")(_check_device)
 

@@ -1,0 +1,191 @@
+"""offload_optimizer.delayed_update (ZeRO-Offload's DPU): each update uses gradients one step stale.
+
+The reference is a single process that does, in plain torch, what the mode
+promises: after the warm-up, step t's gradients are taken on weights that miss
+update t-1 (it runs in the background meanwhile), and update t-1 reaches the
+model just before update t starts. The engine must follow it step by step
+(losses and weights, fp32 within 1e-5), at stages 2 and 3 on 2 ranks, with an
+LR scheduler moving the rate every step (the background step must use the
+rate of its own step, not the one the scheduler moved to).
+"""
+import copy
+
+import pytest
+import torch
+from parity import ADAM_EPS, make_model
+from test_checkpoint_reshard import batch, config, full_state, train
+
+import zeroengine
+from zeroengine.optim.schedulers import WarmupLR
+from zeroengine.testing import run_distributed
+
+WARMUP, STEPS = 2, 6
+
+
+def delayed_config(world, stage, warmup=WARMUP, ratio=1.0):
+    cfg = config(world, stage, offload=ratio)
+    cfg["zero_optimization"]["offload_optimizer"].update(delayed_update=True, delayed_update_warmup_steps=warmup)
+    return cfg
+
+
+def reference(steps: int, warmup: int | None):
+    """(losses, weights the model runs on, the masters) of the stale-gradient schedule (None: no delay)."""
+    model = make_model()
+    master = copy.deepcopy(model)
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
+    sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=10)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, 0, 1)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        delayed = warmup is not None and step >= warmup
+        if delayed:  # update step-1 lands before update step starts
+            master_into(model, master)
+        for p, m in zip(model.parameters(), master.parameters()):
+            m.grad = p.grad.clone()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        model.zero_grad()
+        if not delayed:
+            master_into(model, master)
+        losses.append(loss.item())
+    return losses, state_of(model), state_of(master)
+
+
+def master_into(model, master):
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), master.parameters()):
+            p.copy_(m)
+
+
+def state_of(model):
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def delayed_run(rank, world, stage, ratio=1.0):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=delayed_config(world, stage, ratio=ratio))
+    zero = engine.optimizer
+    assert zero.delayed is not None
+    losses = train(engine, rank, world, 0, STEPS)
+    assert zero.delayed.pending  # the last update is still on its way to the model...
+    running = full_state(engine)
+    host_bytes = sum(t.numel() * t.element_size() for t in zero.delayed.held_tensors())
+    offloaded = sum(zero.layout.buckets[b].chunk_numel for b in zero.delayed.buckets)
+    assert host_bytes == 4 * offloaded  # one fp32 copy of the offloaded gradient shard
+    zero.land_delayed_update()  # ...until it lands (save_checkpoint and destroy() do this)
+    assert not zero.delayed.pending
+    return losses, running, full_state(engine)
+
+
+def assert_close(actual: dict, expected: dict):
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_delayed_update_follows_the_stale_gradient_schedule(stage):
+    ref_losses, ref_running, ref_master = reference(STEPS, WARMUP)
+    undelayed_losses, _, _ = reference(STEPS, None)
+    # the schedules differ by more than the tolerance (or this test could not tell them apart)
+    assert max(abs(a - b) for a, b in zip(ref_losses, undelayed_losses)) > 1e-3
+    assert ref_losses[:WARMUP + 1] == pytest.approx(undelayed_losses[:WARMUP + 1], abs=1e-6)
+    for losses, running, landed in run_distributed(delayed_run, 2, stage):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert_close(running, ref_running)
+        assert_close(landed, ref_master)
+
+
+def test_partial_offload_delays_only_the_offloaded_buckets():
+    """ratio 0.5: resident buckets update at once, offloaded ones a step late; the run must differ from both
+    pure schedules (a mixed one), train, and land like the others."""
+    results = run_distributed(delayed_run, 2, 2, 0.5)
+    ref_losses, _, _ = reference(STEPS, WARMUP)
+    undelayed_losses, _, _ = reference(STEPS, None)
+    losses = results[0][0]
+    assert losses[:WARMUP + 1] == pytest.approx(undelayed_losses[:WARMUP + 1], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) > 1e-4
+    assert max(abs(a - b) for a, b in zip(losses, undelayed_losses)) > 1e-4
+    for name, value in results[0][2].items():  # the ranks agree on the landed weights
+        assert torch.equal(results[1][2][name], value), name
+
+
+def save_resume_delayed(rank, world, stage, save_dir, resume):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(seed=3 if resume else 0),
+                                            config=delayed_config(world, stage))
+    if resume:
+        engine.load_checkpoint(save_dir)
+        assert engine.optimizer.steps_applied == STEPS  # the warm-up is not run again
+    else:
+        train(engine, rank, world, 0, STEPS)
+        engine.save_checkpoint(save_dir, tag="t")  # lands the pending update first
+        assert not engine.optimizer.delayed.pending
+    saved = full_state(engine)
+    losses = train(engine, rank, world, STEPS, 3)
+    engine.optimizer.land_delayed_update()
+    return saved, losses, full_state(engine)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_holds_every_update_and_resuming_equals_going_on(stage, tmp_path):
+    _, _, ref_master = reference(STEPS, WARMUP)
+    going_on = run_distributed(save_resume_delayed, 2, stage, str(tmp_path), False)
+    resumed = run_distributed(save_resume_delayed, 2, stage, str(tmp_path), True)
+    assert_close(going_on[0][0], ref_master)
+    for (saved_a, losses_a, final_a), (saved_b, losses_b, final_b) in zip(going_on, resumed):
+        assert_close(saved_b, saved_a)
+        assert losses_b == pytest.approx(losses_a, abs=1e-6)
+        assert_close(final_b, final_a)
+
+
+def failing_background_step(rank, world):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=delayed_config(world, 2, warmup=0))
+    engine.optimizer.optimizer.param_groups[0]["betas"] = (0.9, 2.0)  # an invalid beta: the step raises
+    train(engine, rank, world, 0, 1)  # the failing step runs in the background...
+    try:
+        train(engine, rank, world, 1, 1)  # ...and its error surfaces on the main thread at the next step
+    except RuntimeError as error:
+        return str(error), repr(error.__cause__)
+    return None
+
+
+def test_an_error_in_the_background_step_is_raised_on_the_main_thread():
+    for result in run_distributed(failing_background_step, 2):
+        assert result is not None
+        message, cause = result
+        assert "delayed_update" in message and "beta" in cause.lower()
+
+
+def test_the_config_describes_the_mode():
+    cfg = zeroengine.config.load_config(delayed_config(2, 2))
+    offload = cfg.zero_optimization.offload_optimizer
+    assert offload.delayed_update is True and offload.delayed_update_warmup_steps == WARMUP
+    bad = delayed_config(2, 2, warmup=-1)
+    with pytest.raises(Exception, match="delayed_update_warmup_steps"):
+        zeroengine.config.load_config(bad)
+
+
+def sixteen_bit_delayed(rank, world, stage, dtype):
+    from zeroengine.zero import GatheredParameters, safe_get_full_fp32_param
+
+    cfg = config(world, stage, dtype, offload=True)
+    cfg["zero_optimization"]["offload_optimizer"].update(delayed_update=True, delayed_update_warmup_steps=1)
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    losses = train(engine, rank, world, 0, 4)
+    engine.optimizer.land_delayed_update()
+    params = list(engine.module.parameters())
+    masters = [safe_get_full_fp32_param(p) for p in params]
+    with GatheredParameters(params):
+        mismatched = [i for i, (p, m) in enumerate(zip(params, masters)) if not torch.equal(p.data, m.to(p.dtype))]
+    return losses, mismatched, engine.optimizer.steps_applied
+
+
+@pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (3, "fp16")])
+def test_16bit_landing_writes_the_masters_in_the_model_dtype(stage, dtype):
+    """The delayed step writes fp32 masters; landing converts them on the way into the 16-bit model (fp16:
+    the background step unscaled the gradients by the step's own loss scale)."""
+    for losses, mismatched, applied in run_distributed(sixteen_bit_delayed, 2, stage, dtype):
+        assert all(torch.isfinite(torch.tensor(losses))) and applied >= 3
+        assert mismatched == []

@@ -1,0 +1,154 @@
+"""ZeRO-Offload's delayed parameter update (DPU): the CPU optimizer step overlaps the next step's compute.
+
+Without it, an offloaded step keeps the accelerator idle while the CPU Adam
+runs (:mod:`zeroengine.offload.step` only overlaps the copies). With
+``offload_optimizer.delayed_update`` (Note: one-step delayed update):
+
+* at step t, every offloaded bucket's gradient chunk is copied into a host
+  copy of this rank's gradient shard (the device buffers are reused by the
+  next backward), then a background thread unscales, clips and steps the
+  buckets, updating the fp32 masters and optimizer state;
+* the model's parameters keep their values: step t+1's forward and backward
+  run on them while the thread works;
+* at step t+1, before anything else reads the masters, the thread is joined
+  and its result written into the model (:meth:`ShardedOptimizer.land_delayed_update`),
+  then step t+1's update starts the same way.
+
+So update t+1 uses gradients computed one update earlier: w_{t+1} = w_t -
+lr * adam(g(w_{t-1})). The math of each update (unscale, clip, Adam, in that
+order and precision) is the undelayed step's; only which gradient it sees
+changes, which is why the mode is opt-in and its effect on convergence is
+measured (benchmarks/bench_delayed_update.py).
+
+Why a thread works: the C++ CPU Adam releases the GIL (ops/csrc/adam/cpu_adam.cpp),
+so Python's main thread goes on issuing the next step's kernels. The thread
+steps a snapshot of the param groups taken when it starts (an LR scheduler
+moves the live ones right after the step), restricted to one bucket's pieces
+at a time, so nothing else the optimizer holds is stepped or read twice.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class DelayedUpdate:
+    """Runs the offloaded buckets' optimizer step in the background, one step at a time.
+
+    ``pieces[b]`` are the optimizer params viewing bucket b's master chunk; ``buckets`` the offloaded
+    buckets (layout indices). The caller runs the first ``warmup_steps`` optimizer steps undelayed.
+    """
+
+    def __init__(self, optimizer, layout, rank: int, pieces: list[list[torch.nn.Parameter]], buckets: list[int],
+                 pin_memory: bool, warmup_steps: int):
+        self.optimizer = optimizer
+        self.layout = layout
+        self.rank = rank
+        self.pieces = pieces
+        self.buckets = sorted(buckets)
+        self.warmup_steps = warmup_steps
+        pin = pin_memory and torch.cuda.is_available()
+        # This rank's whole offloaded gradient shard, in fp32: the thread reads it while the next backward
+        # writes the device buffers again.
+        self.host_grads = {b: torch.empty(layout.buckets[b].chunk_numel, dtype=torch.float32, pin_memory=pin)
+                           for b in self.buckets}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._landed = True  # whether the last update's masters have been written into the model
+        self._group_of: dict[int, int] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """An update whose masters have not reached the model's parameters yet."""
+        return not self._landed
+
+    def start(self, device_grads: list[torch.Tensor | None], inv_scale: float, clip_coef) -> None:
+        """Copy the offloaded buckets' gradients down and step them in the background. ``clip_coef`` may be a
+        device tensor: the thread reads it, so the main thread does not wait for the device."""
+        assert self._landed, "the previous delayed update must reach the model before the next one starts"
+        copied = self._copy_down(device_grads)
+        groups = self._snapshot_groups()
+        self._landed = False
+        self._error = None
+        self._thread = threading.Thread(target=self._run, args=(copied, groups, inv_scale, clip_coef),
+                                        name="zeroengine-delayed-update", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the background step (local: no collective); re-raise what it raised."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("offload_optimizer.delayed_update: the background optimizer step failed") from error
+
+    def take_landing(self) -> list[int]:
+        """Wait, then the buckets whose updated masters must now be written into the model (once)."""
+        self.wait()
+        if self._landed:
+            return []
+        self._landed = True
+        return self.buckets
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return list(self.host_grads.values())
+
+    # -- internals ------------------------------------------------------------
+    def _copy_down(self, device_grads) -> object:
+        """Start copying each offloaded bucket's chunk into its host copy; returns what the thread waits on."""
+        event, keep = None, []
+        for b in self.buckets:
+            host, grad = self.host_grads[b], device_grads[b]
+            if grad is None:  # a bare step() with no backward: zero gradients, as the in-memory path uses
+                host.zero_()
+            elif grad.device.type != "cuda":
+                host.copy_(grad)
+            else:  # widened on the device, copied on the current stream: the next backward's writes wait for it
+                keep.append(grad.float())
+                host.copy_(keep[-1], non_blocking=True)
+        if keep:
+            event = torch.cuda.Event()
+            event.record()
+        return event, keep
+
+    def _snapshot_groups(self) -> list[dict]:
+        """Each param group's hyperparameters as they are now (the scheduler moves them after this step)."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def _bucket_groups(self, b: int, groups: list[dict]) -> list[dict]:
+        """Param groups holding only bucket b's pieces, with the snapshot's hyperparameters."""
+        if self._group_of is None:  # the pieces were put in their groups after construction
+            self._group_of = {id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+        by_group: dict[int, list] = {}
+        for piece in self.pieces[b]:
+            by_group.setdefault(self._group_of[id(piece)], []).append(piece)
+        return [{**groups[i], "params": params} for i, params in sorted(by_group.items())]
+
+    def _run(self, copied, groups, inv_scale: float, clip_coef) -> None:
+        try:
+            event, _keep = copied
+            if event is not None:
+                event.synchronize()
+            coef = float(clip_coef)
+            shadow = object.__new__(type(self.optimizer))  # the same optimizer, stepping other group lists
+            shadow.__dict__.update(self.optimizer.__dict__)
+            with torch.no_grad():
+                for b in self.buckets:
+                    grad = self.host_grads[b]
+                    if inv_scale != 1.0:  # the undelayed step's order: unscale, then clip
+                        grad.mul_(inv_scale)
+                    if coef != 1.0:
+                        grad.mul_(coef)
+                    wheres = self.layout.buckets[b].pieces_in_chunk(self.rank)
+                    for where, piece in zip(wheres, self.pieces[b]):
+                        piece.grad = grad[where.chunk_start:where.chunk_start + where.numel]
+                    shadow.param_groups = self._bucket_groups(b, groups)
+                    try:
+                        shadow.step()
+                    finally:
+                        for piece in self.pieces[b]:
+                            piece.grad = None
+        except BaseException as error:  # re-raised on the main thread by wait()
+            self._error = error
