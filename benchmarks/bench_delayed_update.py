@@ -82,10 +82,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--variants", default=None,
-                        help="comma-separated variant names (default: all); each needs its rate's undelayed run")
+                        help="semicolon-separated variant names (default: all); each needs its rate's undelayed run")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "delayed_update.json"))
     args = parser.parse_args()
-    variants = VARIANTS if args.variants is None else {n: VARIANTS[n] for n in args.variants.split(",")}
+    variants = VARIANTS if args.variants is None else {n: VARIANTS[n] for n in args.variants.split(";")}
     from zeroengine.testing import run_distributed
 
     tail = max(1, args.steps // 10)

@@ -19,7 +19,13 @@ Candidates, all dropless, all with the same expert MLP (hidden -> ffn -> hidden,
   experts run with one intra-op thread (opt-in, for oversubscribed hosts; see zeroengine/moe/expert_group.py);
 * ``ze-stacked``: ``expert_layout="stacked"`` (expert weights are stacked ``[E, ...]`` parameters:
   grouped GEMMs with no stacking copy); MLP rows only;
-* ``deepspeed``: DeepSpeed's ``deepspeed.moe.layer.MoE`` (CPU accelerator), when importable.
+* ``deepspeed``: DeepSpeed's ``deepspeed.moe.layer.MoE`` (CPU accelerator), when importable;
+* ``autoep`` (MLP rows): a Hugging Face-style MoE block (a Mixtral router: softmax, top-k, renormalised)
+  around AutoEP's ``ShardedExperts`` at ``ep_size`` 1, over fused SwiGLU experts ``gate_up_proj
+  [E, 2 ffn, hidden]``, ``down_proj [E, hidden, ffn]`` (3 GEMMs per expert, so compare it with
+  ``autoep-bound``, not with the MLP rows); ``autoep-bound``: the same experts' grouped GEMMs on rows
+  already sorted by expert, with the same per-expert counts and no routing, permutation or combine
+  (``swiglu_rows``: ``torch._grouped_mm`` on CUDA), the grouped-GEMM bound issue 24 measures against.
 
 Every candidate routes with the same gate weights (so the same tokens go to the same experts).
 ``traffic``: streaming the expert weights once forward and once backward plus writing their
@@ -133,6 +139,56 @@ class _KernelLogits(torch.autograd.Function):
         return torch.mm(grad, wg), ctx.kernel.router_weight_grad(grad, x.contiguous()), None
 
 
+class FusedSwiGLUExperts(nn.Module):
+    """Experts in transformers 5's fused layout (what AutoEP converts)."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * hidden ** -0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) * ffn ** -0.5)
+        self.act_fn = nn.SiLU()
+
+
+class HFStyleBlock(nn.Module):
+    """A Mixtral-style sparse block: router (softmax, top-k, renormalised), then the experts module."""
+
+    def __init__(self, gate, experts_module, k: int):
+        super().__init__()
+        self.weight = nn.Parameter(gate.wg.weight.detach().clone())
+        self.experts, self.k = experts_module, k
+
+    def forward(self, x):
+        probs = torch.softmax(torch.nn.functional.linear(x, self.weight).float(), dim=-1)
+        weights, index = torch.topk(probs, self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, index, weights)
+
+
+class SwiGLUBound(nn.Module):
+    """The same experts' grouped GEMMs on rows already sorted by expert (the per-expert counts the router
+    gives): no routing, permutation or combine."""
+
+    def __init__(self, experts_module, counts: list[int]):
+        super().__init__()
+        self.experts, self.counts = experts_module, counts
+
+    def forward(self, x):
+        from zeroengine.moe.autoep import swiglu_rows
+
+        return swiglu_rows(x, self.counts, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn)
+
+
+def autoep_rows(gate, x, experts: int, hidden: int, ffn: int, k: int) -> dict:
+    from zeroengine.moe.autoep import ShardedExperts
+
+    block = HFStyleBlock(gate, ShardedExperts(FusedSwiGLUExperts(experts, hidden, ffn), ep_size=1), k)
+    with torch.no_grad():
+        index = torch.topk(torch.nn.functional.linear(x, block.weight), k, dim=-1).indices
+    counts = torch.bincount(index.reshape(-1), minlength=experts).tolist()
+    bound = SwiGLUBound(FusedSwiGLUExperts(experts, hidden, ffn), counts)
+    return {"autoep": (block, x), "autoep-bound": (bound, torch.randn(sum(counts), hidden))}
+
+
 class SortMoE(nn.Module):
     """Sort-based dispatch in plain PyTorch over the same gate."""
 
@@ -180,6 +236,7 @@ def candidates(kind, tokens, hidden, ffn, experts, k, device, dtype, with_deepsp
         found["ze-loop"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False, grouped="off"), x)
         found["ze-stacked"] = (MoE(hidden, expert, num_experts=experts, k=k, drop_tokens=False,
                                    expert_layout="stacked"), x)
+        found.update(autoep_rows(gate, x, experts, hidden, ffn, k))
     if with_deepspeed:
         try:
             from deepspeed.moe.layer import MoE as DSMoE
@@ -312,7 +369,7 @@ def run_a2a(worlds, tokens, hidden, experts, k, repeats):
 
 # -- report ----------------------------------------------------------------------------------------
 COLUMNS = ["floor", "traffic", "bound", "gate+experts", "naive", "sort", "deepspeed", "ze-loop", "ze-serial", "zeroengine",
-           "ze-stacked"]
+           "ze-stacked", "autoep-bound", "autoep"]
 
 
 def print_table(title, shapes):
@@ -421,6 +478,12 @@ def main(argv=None):
                                                          "ze-serial"])
         print_table("forward+backward, expert MLP" if kind == "mlp" else "dispatch/combine overhead "
                     "(near-zero-cost expert)", shapes)
+        if kind == "mlp":  # AutoEP's layer against its grouped-GEMM bound (> 0.5: issue 24's GPU target)
+            result["autoep_ratios"] = ratios(shapes, ["autoep-bound"], ours_of=("autoep",))
+            for r in result["autoep_ratios"]:
+                if "autoep-bound/autoep" in r:
+                    print(f"  autoep at {r['experts']} experts, k {r['k']}: {r['autoep-bound/autoep']:.3f} of the "
+                          f"grouped-GEMM bound (paired {r['autoep-bound/autoep (paired)']:.3f})")
         for r in result[f"{kind}_ratios"]:
             print("  " + ", ".join(f"{key} {v:.3f}" if isinstance(v, float) else f"{key} {v}"
                                    for key, v in r.items() if "(best)" not in key and "(paired)" not in key

@@ -17,9 +17,13 @@
 #   smoke       the tiny model through bench_gpu (checks the setup in ~1 min)
 #   compile     issue 23 in one call: the no-sync test, then 350m and 1.3b (bf16) at stage 3 eager, compiled
 #               (engine.compile) and with per-block fetches, and 1.3b stage 0 eager and compiled      ~8 min
+#   moe         issue 24: the MoE layers at FastMoE's shape (4096 tokens, d 1024, ffn 4096, 64 experts, top-2),
+#               fp32 and bf16: naive loop, zeroengine.MoE (modules, stacked), AutoEP's layer and its
+#               grouped-GEMM bound (autoep-bound/autoep >= 0.5 in bf16 is the target; fp32 naive/ours >= 5);
+#               then the AutoEP and MoE tests on the GPU's one rank                                ~5 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile}
+PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe}
 RESULTS=${OUT:-benchmarks/results/gpu_session}
 mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
@@ -74,6 +78,15 @@ case "$PHASE" in
     ;;
   smoke)
     timeout "$(left)" "$PY" benchmarks/bench_gpu.py --quick --out "$RESULTS/gpu_quick.json" 2>&1 | tail -14
+    ;;
+  moe)
+    for dtype in bf16 fp32; do
+      timeout $(( $(left) / 3 )) "$PY" benchmarks/bench_moe.py --device cuda --dtype "$dtype" --tokens 4096 \
+        --hidden 1024 --ffn 4096 --experts 64 --k 2 --a2a-worlds "" --skip-overhead \
+        --candidates naive,zeroengine,ze-stacked,autoep,autoep-bound --out "$RESULTS/moe_issue24_$dtype.json" 2>&1 | tail -12
+    done
+    timeout "$(left)" "$PY" -m pytest -q -rs tests/unit/test_moe_ops.py tests/gpu -k "moe" \
+      --junitxml="$RESULTS/moe_tests.xml" 2>&1 | tee "$RESULTS/moe_tests.log" | tail -8
     ;;
   *)
     echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile)" >&2

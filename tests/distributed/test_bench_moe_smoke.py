@@ -21,7 +21,7 @@ def test_quick_run_reports_every_candidate(tmp_path):
     assert [(s["experts"], s["k"]) for s in result["mlp"]] == [(4, 1), (4, 2), (8, 1), (8, 2)]
     for shape in result["mlp"]:
         assert set(shape["rows"]) == {"floor", "traffic", "bound", "naive", "sort", "ze-loop", "zeroengine",
-                                      "ze-stacked"}
+                                      "ze-stacked", "autoep", "autoep-bound"}
         rows = shape["rows"]
         assert rows["bound"]["runs"] == [f + t for f, t in zip(rows["floor"]["runs"], rows["traffic"]["runs"])]
     for shape in result["mlp"] + result["cheap"]:
@@ -38,4 +38,6 @@ def test_quick_run_reports_every_candidate(tmp_path):
         else:  # too close to the shared row for a ratio
             assert got is None
     assert "bound/zeroengine" in result["mlp_ratios"][0] and len(result["load_average_start"]) == 3
+    # AutoEP's layer against its grouped-GEMM bound, per shape
+    assert len(result["autoep_ratios"]) == 4 and all(r["autoep-bound/autoep"] > 0 for r in result["autoep_ratios"])
     assert result["a2a"]["2"]["all_to_all_s"] > 0 and result["a2a"]["2"]["bytes_sent_per_rank"] > 0

@@ -19,6 +19,15 @@ def gathered_state_dict(module: torch.nn.Module, exclude_frozen: bool = False) -
     A tied parameter is one tensor under each of its names (as in ``state_dict()``), so savers that
     de-duplicate shared tensors (safetensors, Hugging Face) see the tie. ``exclude_frozen`` leaves out
     parameters that do not require grad."""
+    from zeroengine.moe.params import expert_tag
+
+    if any(tag is not None and tag.ep_size > 1 for tag in map(expert_tag, module.parameters())):
+        # Each rank holds (at stage 3: gathers) only its own experts: rank 0 alone cannot write them all, as
+        # DeepSpeed's AutoEP cannot either at ZeRO-3.
+        raise NotImplementedError("the 16-bit weights of a model with expert parallelism (ep_size > 1) are not "
+                                  "gathered on one rank; save with engine.save_checkpoint and consolidate with "
+                                  "ze_to_fp32 (zeroengine.checkpoint.get_fp32_state_dict_from_zero_checkpoint), "
+                                  "which stores every expert under its global place")
     out: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
     frozen: set[str] = set()

@@ -8,6 +8,7 @@ the stage steps (fp32 masters, shard pieces, or the parameters themselves).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -45,17 +46,17 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
         raise ConfigError("zero_optimization.stage", f"the model was built under zeroengine.zero.Init, which "
                           f"partitions its parameters for ZeRO stage 3, but the config asks for stage {stage}; "
                           "use stage 3, or build the model without Init")
-    if stage == 3 and _has_moe(module):
-        # Checked on the model, not on what the optimizer steps: frozen experts (ranks hold different ones
-        # under ep_size > 1) would be partitioned as if replicated, and the router reads its weight directly.
-        raise ConfigError("zero_optimization.stage", "stage 3 does not support MoE layers yet (expert parameters "
-                          "would be partitioned over the whole world, trainable or frozen); use stage 0, 1 or 2")
-    # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
     stepped = set(trained_group_of(optimizer))
+    if stage == 3 and _has_moe(module):
+        _check_stage3_experts(module, stepped)
+    # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
     domains = split_domains([p for p in reversed(list(module.parameters())) if id(p) in stepped])
     if domains:
         if stage == 0:
             return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
+                                 domains)
+        if stage == 3:
+            return _build_stage3(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
                                  domains)
         parts = _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping,
                                comm_dtype, domains)
@@ -89,6 +90,23 @@ def check_shardable(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
                       f"{name} is not known to be elementwise, and ZeRO stages 1-3 step flat shards of each "
                       f"parameter; use one of {', '.join(_ELEMENTWISE)}, stage 0, or set "
                       "zero_allow_untested_optimizer: true if its update is elementwise")
+
+
+def _check_stage3_experts(module: torch.nn.Module, stepped: set[int]) -> None:
+    """Stage 3 partitions expert parameters within their expert-data-parallel group; what it cannot do yet is
+    refused before anything is partitioned."""
+    from zeroengine.moe.params import is_expert_param
+
+    experts = [p for p in module.parameters() if is_expert_param(p)]
+    if any(id(p) not in stepped for p in experts):
+        # Frozen parameters are partitioned over the whole world, which is wrong for experts: ranks hold
+        # different ones (and at ep_size 1 the world's slices would mix experts of different ranks' layers).
+        raise ConfigError("zero_optimization.stage", "stage 3 does not support frozen MoE expert parameters "
+                          "(requires_grad=False, or not given to the optimizer); train them, or use stage 0-2")
+    if any(is_init_partitioned(p) for p in module.parameters()):
+        raise ConfigError("zero_optimization.stage", "a model with MoE layers built under zeroengine.zero.Init is "
+                          "not supported at stage 3 (Init partitions every parameter over the whole world); build "
+                          "it without Init")
 
 
 def _has_moe(module: torch.nn.Module) -> bool:
@@ -158,53 +176,100 @@ def _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, c
     return parts
 
 
-def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
+def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None):
+    """Stage 3: each domain's trainable parameters (the whole model; or with MoE, the dense ones over the world
+    and each expert-data-parallel group's) partitioned in a buffer over its group, frozen ones in a buffer
+    over the world, one set of hooks fetching units of all of them."""
     group_of = trained_group_of(optimizer)
     trainable, frozen = split_params(module, set(group_of), int(zero_config.stage3_param_persistence_threshold))
     rank, world = comm.get_rank(), comm.get_world_size()
+    if domains is None:
+        domains = [ParamDomain(trainable.params, None, rank, world, world)]
+    parts = _stage3_parts(trainable, domains)
     bucket_numel = int(zero_config.reduce_bucket_size)
     if comm.device_for_backend().type == "cpu":  # opt-in: freed memory back to the OS (see host_memory)
         host_memory.map_large_allocations()
-    # Parameters built under zero.Init arrive as per-parameter slices: re-cut into the bucket layout.
+    # Parameters built under zero.Init arrive as per-parameter slices: re-cut into the bucket layout (one
+    # domain then: an MoE model built under Init is refused by build_zero_optimizer).
     reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.mixed)
-    stats = FetchStats()  # shared by the trainable and frozen buffers
+    stats = FetchStats()  # shared by all the buffers
 
-    def buffer_of(part: Stage3Params, offset: int):
-        layout = build_layout([full_shape(p).numel() for p in part.params], world, bucket_numel,
+    def buffer_of(part: Stage3Params, offset: int, d: ParamDomain, source):
+        layout = build_layout([full_shape(p).numel() for p in part.params], d.world, bucket_numel,
                               segments=part.segments)
         return PartitionedParamBuffer(
-            part.params, layout, policy.param_dtype, rank, names=part.names,
+            part.params, layout, policy.param_dtype, d.rank, group=d.group, names=part.names,
             persistent=persistent_buckets(layout, part.persistent_from), stats=stats,
-            chunk_source=lambda bucket: reshard.chunk(_shifted(bucket, offset), policy.param_dtype),
+            chunk_source=lambda bucket: source.chunk(_shifted(bucket, offset), policy.param_dtype),
             offload=zero_config.offload_param)
 
-    buffer = buffer_of(trainable, 0)
-    fp32_values = None
-    if policy.mixed:
-        fp32_values = reshard.fp32_values()[:len(trainable.params)]
-    frozen_buffer = buffer_of(frozen, len(trainable.params)) if frozen.params else None
+    everyone = ParamDomain([], None, rank, world, world)
+    if len(parts) == 1:
+        sources = [reshard]
+    else:  # each domain's chunks cut at its own rank in its group
+        sources = [InitReshard(part.params, d.rank, keep_fp32=policy.mixed) for d, part in parts]
+    buffers = [buffer_of(part, 0, d, source) for (d, part), source in zip(parts, sources)]
+    fp32_values = [source.fp32_values()[:len(part.params)] if policy.mixed else None
+                   for (_, part), source in zip(parts, sources)]
+    frozen_buffer = buffer_of(frozen, len(trainable.params), everyone, reshard) if frozen.params else None
     if world > 1 and gather_order.enabled():
-        _check_gather_order([buffer, frozen_buffer], per_event=gather_order.mode() == "event")
-    reshard.release_init_shards()
+        _check_gather_order(buffers + [frozen_buffer], per_event=gather_order.mode() == "event")
+    for source in {id(s): s for s in sources + [reshard]}.values():
+        source.release_init_shards()
     _cast_floating_buffers(module, policy.param_dtype)
-    units = [Unit(buffer, b, True) for b in buffer.layout.buckets]
-    unit_of = {id(buffer.params[s.index]): u for u, unit in enumerate(units) for s in unit.bucket.slots}
-    if frozen_buffer is not None:
-        for b in frozen_buffer.layout.buckets:
-            units.append(Unit(frozen_buffer, b, False))
-            unit_of.update({id(frozen_buffer.params[s.index]): len(units) - 1 for s in b.slots})
-    hooks = Stage3Hooks(module, units, unit_of, FetchPolicy.from_config(zero_config))
+    units, unit_of = [], {}
+    for buffer, trains in [(b, True) for b in buffers] + [(frozen_buffer, False)] * (frozen_buffer is not None):
+        for b in buffer.layout.buckets:
+            units.append(Unit(buffer, b, trains))
+            unit_of.update({id(buffer.params[s.index]): len(units) - 1 for s in b.slots})
+    hooks = Stage3Hooks(module, units, unit_of, FetchPolicy.from_config(zero_config),
+                        always_whole=_modules_reading_weights_directly(module))
     if zero_config.stage3_fetch_unit == "block":
         hooks.fetch_whole(find_blocks(module))
-    reducer = BucketReducer(rank, world, None, comm_dtype, overlap=bool(zero_config.overlap_comm))
-    grad_store = PartitionedGradStore(buffer, reducer, on_bucket_ready=hooks.on_bucket_grads_ready,
-                                      on_stray_pass_over=hooks.release_all)
-    sharded = _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, trainable.params,
-                        fp32_values, grad_store, group_of, after_backward=hooks.after_backward, cls=Stage3Optimizer,
-                        hooks=hooks, frozen_params=frozen_buffer)
+    optimizers, merged = [], [[] for _ in optimizer.param_groups]
+    for i, ((d, part), buffer, values) in enumerate(zip(parts, buffers, fp32_values)):
+        last = i == len(parts) - 1  # the pass ends (and is compared) once, after every domain's gradients
+        reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
+                                divisor=d.divisor)
+        grad_store = PartitionedGradStore(buffer, reducer,
+                                          on_bucket_ready=functools.partial(hooks.on_bucket_grads_ready,
+                                                                            buffer=buffer),
+                                          on_stray_pass_over=hooks.release_all)
+        optimizers.append(_assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, part.params,
+                                    values, grad_store, group_of, after_backward=hooks.after_backward if last else None,
+                                    cls=Stage3Optimizer, hooks=hooks if i == 0 else None,
+                                    frozen_params=frozen_buffer if i == 0 else None))
+        for i_group, g in enumerate(optimizer.param_groups):  # adopt_param_groups gave the groups this part's
+            merged[i_group].extend(g["params"])  # pieces: one torch optimizer steps every part's
+    for g, params in zip(optimizer.param_groups, merged):
+        g["params"] = params
     if frozen_buffer is not None:
         record_buffer(frozen_buffer, None)
-    return sharded
+    if len(optimizers) == 1:
+        return optimizers[0]
+    return ExpertShardedOptimizer(optimizers, optimizer, policy, loss_scaler, clip)
+
+
+def _stage3_parts(trainable: Stage3Params, domains: list[ParamDomain]) -> list[tuple[ParamDomain, Stage3Params]]:
+    """``trainable`` split by domain, each part in stage-3 order (its persistent parameters last)."""
+    if len(domains) == 1:
+        return [(domains[0], trainable)]
+    parts = []
+    for d in domains:
+        ids = {id(p) for p in d.params}
+        picked = [i for i, p in enumerate(trainable.params) if id(p) in ids]
+        parts.append((d, Stage3Params([trainable.params[i] for i in picked], [trainable.names[i] for i in picked],
+                                      [trainable.segments[i] for i in picked],
+                                      sum(i < trainable.persistent_from for i in picked))))
+    return [(d, part) for d, part in parts if part.params]
+
+
+def _modules_reading_weights_directly(module: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """Modules whose forward reads their children's weights without calling them (zeroengine.moe.MoE: the fused
+    routing reads the gate's weight, grouped experts read the experts'): fetched whole at stage 3."""
+    from zeroengine.moe.layer import MoE
+
+    return tuple(m for m in module.modules() if isinstance(m, MoE))
 
 
 def _check_gather_order(buffers, per_event: bool) -> None:

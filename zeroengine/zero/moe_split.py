@@ -115,12 +115,24 @@ class ExpertDataParallelOptimizer(DataParallelOptimizer):
 
 
 class ExpertShardedOptimizer(ZeroOptimizer):
-    """Stages 1-2 with expert domains: one :class:`ShardedOptimizer` per domain, one torch optimizer."""
+    """Stages 1-3 with expert domains: one :class:`ShardedOptimizer` (stage 3: ``Stage3Optimizer``) per domain,
+    one torch optimizer. At stage 3 the first part holds the hooks every part's units share."""
 
     def __init__(self, parts: list[ShardedOptimizer], optimizer, policy, loss_scaler, gradient_clipping):
         super().__init__(optimizer, policy, loss_scaler, gradient_clipping)
         self.parts = parts
         self.module = parts[0].module
+
+    @property
+    def hooks(self):
+        """Stage 3's hooks (shared by the parts), None at stages 1-2."""
+        return getattr(self.parts[0], "hooks", None)
+
+    def fetch_stats(self) -> dict:
+        return self.parts[0].fetch_stats()  # one FetchStats serves every buffer
+
+    def reset_fetch_stats(self) -> None:
+        self.parts[0].reset_fetch_stats()
 
     def begin_backward(self, is_boundary: bool) -> None:
         for part in self.parts:
@@ -187,6 +199,7 @@ class ExpertShardedOptimizer(ZeroOptimizer):
         tally.add("buffers", self.module.buffers())
         for part in self.parts:
             tally.add("buffers", part.grad_store.comm_buffers())
+            part.add_stage_tally(tally)
         return tally
 
     def checkpoint_params(self) -> list[torch.nn.Parameter]:

@@ -286,7 +286,11 @@ class ShardedOptimizer(ZeroOptimizer):
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         tally.add("buffers", self.grad_store.comm_buffers())
+        self.add_stage_tally(tally)
         return tally
+
+    def add_stage_tally(self, tally: MemoryTally) -> None:
+        """What a stage holds beyond the parts every sharded stage has (stage 3: frozen and spare buffers)."""
 
     def checkpoint_params(self) -> list[torch.nn.Parameter]:
         return list(self.flat_params.params)

@@ -115,11 +115,9 @@ class Stage3Optimizer(ShardedOptimizer):
     def reset_fetch_stats(self) -> None:
         self.flat_params.stats.reset()
 
-    def memory_tally(self) -> MemoryTally:
-        tally = super().memory_tally()
+    def add_stage_tally(self, tally: MemoryTally) -> None:
         if self.frozen_params is not None:
             tally.add("params", self.frozen_params.held_tensors())
         for buffer in (self.flat_params, self.frozen_params):
             if buffer is not None:
                 tally.add("buffers", buffer.spare_tensors())
-        return tally

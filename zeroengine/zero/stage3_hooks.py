@@ -56,10 +56,12 @@ class _FrozenHold:
 
 class Stage3Hooks:
     def __init__(self, module: torch.nn.Module, units: list[Unit], unit_of_param: dict[int, int],
-                 policy: FetchPolicy = FetchPolicy()):
+                 policy: FetchPolicy = FetchPolicy(), always_whole: tuple[torch.nn.Module, ...] = ()):
+        """``always_whole``: modules fetched whole whatever :meth:`fetch_whole` is given later (those whose
+        forward reads their children's weights without calling them)."""
         self.units = units
         self.fetcher = Fetcher(units, policy)
-        self._trainable_unit = {u.bucket.index: i for i, u in enumerate(units) if u.trainable}
+        self._trainable_unit = {(id(u.buffer), u.bucket.index): i for i, u in enumerate(units) if u.trainable}
         self.handles = []
         self._unit_of_param = unit_of_param
         self._name_of = {id(m): name for name, m in module.named_modules()}  # this model's modules
@@ -67,7 +69,8 @@ class Stage3Hooks:
         self._frozen_pending: dict[int, int] = defaultdict(int)  # frozen unit -> calls whose backward is to come
         self._root = module
         self._begin_handle = module.register_forward_pre_hook(self._begin_pass, prepend=True)
-        self._wire(frozenset())
+        self._always_whole = frozenset(id(m) for m in always_whole)
+        self._wire(self._always_whole)
         _LIVE.add(self)
         watch_registrations(self)
 
@@ -124,7 +127,7 @@ class Stage3Hooks:
             if handle is not self._begin_handle:
                 handle.remove()
         self.handles = []
-        self._wire(frozenset(id(b) for b in blocks))
+        self._wire(frozenset(id(b) for b in blocks) | self._always_whole)
 
     def remove(self) -> None:
         """Take every hook off the model (engine.destroy()); what is gathered is released first."""
@@ -265,8 +268,9 @@ class Stage3Hooks:
         return self.fetcher.holding(units)
 
     # -- called by the gradient store / the optimizer --------------------------------
-    def on_bucket_grads_ready(self, bucket: Bucket) -> None:
-        self.fetcher.bucket_grads_ready(self._trainable_unit[bucket.index])
+    def on_bucket_grads_ready(self, bucket: Bucket, buffer) -> None:
+        """Every gradient of ``buffer``'s ``bucket`` exists: its unit may go (a gradient store's callback)."""
+        self.fetcher.bucket_grads_ready(self._trainable_unit[(id(buffer), bucket.index)])
 
     def _watch_backward_done(self, call: "_FrozenHold", args) -> None:
         """A call's frozen units (released by no gradient of their own) stay, once its backward has started,
