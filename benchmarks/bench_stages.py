@@ -45,7 +45,7 @@ clipping) on 2 CPU ranks over gloo, one torch thread per rank.
   reduce-scatter: 3·4Ψ(N-1)/N wire). Step ratios to FSDP2 are taken per
   round like those to DDP. ``ze-s3+init`` is stage 3 with the model built
   under ``zeroengine.zero.Init`` (no rank ever holds the whole model);
-  ``ze-s3-lowmem`` is stage 3 giving freed memory back to the OS
+  ``ze-s3-lowmem`` and ``ze-s2-lowmem`` are stages 3 and 2 giving freed memory back to the OS
   (``ZEROENGINE_MALLOC_MMAP_THRESHOLD=1048576``, see
   zeroengine/zero/host_memory.py): what that costs in step time and saves in RSS;
   ``ze-s3-unchecked`` turns off the check that every rank gathers the same
@@ -134,6 +134,8 @@ def build_variants(args) -> tuple[list[Variant], dict[str, str]]:
                     env=(("ZEROENGINE_STAGE3_ORDER_CHECK", "0"),)),
             # giving freed memory back to the OS (zeroengine/zero/host_memory.py)
             Variant("ze-s3-lowmem", "zeroengine", 3, bucket, overlap_comm=True,
+                    env=(("ZEROENGINE_MALLOC_MMAP_THRESHOLD", str(1 << 20)),)),
+            Variant("ze-s2-lowmem", "zeroengine", 2, bucket, overlap_comm=True,
                     env=(("ZEROENGINE_MALLOC_MMAP_THRESHOLD", str(1 << 20)),))]
     extra_buckets = args.s2_buckets if args.s2_buckets is not None else ("" if args.quick else "5e7")
     for extra in filter(None, extra_buckets.split(",")):

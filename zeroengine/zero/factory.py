@@ -154,6 +154,8 @@ def _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, c
     parallel group's): a flat buffer over the domain's group, the stage's gradient store, and a
     ShardedOptimizer stepping this rank's pieces. The one torch optimizer's groups hold every part's pieces."""
     group_of = trained_group_of(optimizer)
+    if comm.device_for_backend().type == "cpu":  # opt-in: freed memory back to the OS (see host_memory)
+        host_memory.map_large_allocations()
     # Detached fp32 values of every domain before any cast: they keep the old storage alive until the masters
     # are cut from them (the masters start from exact weights).
     fp32_values = [[p.detach() for p in d.params] if policy.mixed else None for d in domains]

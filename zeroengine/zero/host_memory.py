@@ -1,4 +1,4 @@
-"""Stage 3 on CPU, when memory matters more than speed: freed memory goes back to the OS.
+"""ZeRO stages 1-3 on CPU, when memory matters more than speed: freed memory goes back to the OS.
 
 Why: on an accelerator, freeing a gathered bucket is a resize of its storage
 to 0 bytes, served by the caching allocator. On CPU every free goes through
@@ -14,8 +14,9 @@ Opt-in, because returning memory is paid in page faults at every re-use:
 on the 26M-param GPT of benchmarks/bench_stages.py (2 ranks, 2 shared cores)
 it cut stage 3's peak RSS from 888 to 683 MiB per rank (growth 2.9x -> 1.09x
 the 16Ψ/N formula, the lowest of all variants) but took 5x the page faults
-and 2x the step time. ``ZEROENGINE_MALLOC_MMAP_THRESHOLD=<bytes>`` (e.g.
-1048576) turns it on, with two measures:
+and 2x the step time. At stage 2 on the same model it brings the raw RSS growth below DeepSpeed's
+stage 2 (docs/benchmarks.md). ``ZEROENGINE_MALLOC_MMAP_THRESHOLD=<bytes>`` (e.g.
+1048576) turns it on, with two measures (the second at stage 3 only):
 
 * glibc's mmap threshold is fixed at that size (``mallopt``; fixing it also
   stops the dynamic raising), so large transients are mapped and unmapped
@@ -100,6 +101,6 @@ def map_large_allocations() -> int | None:
     if threshold <= 0 or not libc or not hasattr(libc, "mallopt") or libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
         return None  # not glibc (mallopt missing or refusing): nothing to tune
     _threshold_set = threshold
-    logger.info("stage 3 on CPU: glibc's mmap threshold fixed at %d bytes (ZEROENGINE_MALLOC_MMAP_THRESHOLD): freed "
+    logger.info("ZeRO on CPU: glibc's mmap threshold fixed at %d bytes (ZEROENGINE_MALLOC_MMAP_THRESHOLD): freed "
                 "parameters, gradients and temporaries return to the OS, at the cost of page faults", threshold)
     return threshold
