@@ -312,7 +312,6 @@ class Engine(torch.nn.Module):
         under adapters); load such a checkpoint with ``load_module_strict=False``."""
         from zeroengine.checkpoint import save_checkpoint
 
-        self.optimizer.land_delayed_update()  # saved = every update applied, so resuming equals going on
         try:
             return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                    exclude_frozen_parameters=exclude_frozen_parameters)
@@ -333,7 +332,7 @@ class Engine(torch.nn.Module):
         ``exclude_frozen_parameters=True``."""
         from zeroengine.checkpoint import load_checkpoint
 
-        self.optimizer.land_delayed_update()  # no background step may write what the load writes
+        self.optimizer.discard_delayed_update()  # the load writes masters, optimizer state and weights alike
         try:
             return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                    load_lr_scheduler_states=load_lr_scheduler_states,
@@ -349,7 +348,6 @@ class Engine(torch.nn.Module):
         """
         from zeroengine.checkpoint.model_file import save_16bit_model
 
-        self.optimizer.land_delayed_update()
         try:
             return save_16bit_model(self, save_dir, save_filename)
         finally:

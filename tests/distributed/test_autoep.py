@@ -31,7 +31,8 @@ def config(world: int, stage: int, ep: int) -> dict:
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2 * world,
         "gradient_clipping": CLIP, "steps_per_print": None,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+        # persistence 0: at stage 3 the tiny model's experts are partitioned too, not kept whole
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0},
         "expert_parallel": {"enabled": True, "autoep_size": ep},
     }
 
@@ -188,9 +189,9 @@ def test_the_comm_module_counts_the_dispatch():
         assert calls == 5 * blocks, (calls, blocks)
 
 
-def train_and_save(rank, world, family, ep, save_dir, autoep=True):
+def train_and_save(rank, world, family, ep, save_dir, autoep=True, stage=2):
     model = hf_moe.build(family)
-    cfg = config(world, 2, ep)
+    cfg = config(world, stage, ep)
     cfg["expert_parallel"]["enabled"] = autoep
     engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
     for step in range(2):
@@ -202,9 +203,9 @@ def train_and_save(rank, world, family, ep, save_dir, autoep=True):
     return {names[id(p)]: full(p, safe_get_full_fp32_param(p), module_of) for p in model.parameters()}
 
 
-def load_and_read(rank, world, family, ep, save_dir, autoep=True):
+def load_and_read(rank, world, family, ep, save_dir, autoep=True, stage=2):
     model = hf_moe.build(family, seed=5)  # other weights: everything must come from the checkpoint
-    cfg = config(world, 2, ep)
+    cfg = config(world, stage, ep)
     cfg["expert_parallel"]["enabled"] = autoep
     engine, _, _, _ = zeroengine.initialize(model=model, config=cfg)
     engine.load_checkpoint(save_dir)
@@ -215,10 +216,11 @@ def load_and_read(rank, world, family, ep, save_dir, autoep=True):
     return loaded, loss
 
 
-def test_a_converted_checkpoint_loads_into_the_unconverted_model_and_back(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_converted_checkpoint_loads_into_the_unconverted_model_and_back(tmp_path, stage):
     from zeroengine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 
-    saved = run_distributed(train_and_save, 2, "qwen2_moe", 2, str(tmp_path / "ep2"))[0]
+    saved = run_distributed(train_and_save, 2, "qwen2_moe", 2, str(tmp_path / "ep2"), True, stage)[0]
     # the consolidated state_dict is the unconverted model's: its keys and full shapes, strictly
     state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ep2"))
     plain = hf_moe.build("qwen2_moe", seed=5)
@@ -227,11 +229,11 @@ def test_a_converted_checkpoint_loads_into_the_unconverted_model_and_back(tmp_pa
         torch.testing.assert_close(p.detach(), saved[name], rtol=0, atol=0, msg=name)
     # ...into engines at other layouts: unconverted on one rank, AutoEP at ep=1 and at ep=4 x dp=1 on 4 ranks
     for world, ep, autoep in ((1, 1, False), (2, 1, True), (4, 4, True)):
-        for loaded, _ in run_distributed(load_and_read, world, "qwen2_moe", ep, str(tmp_path / "ep2"), autoep):
+        for loaded, _ in run_distributed(load_and_read, world, "qwen2_moe", ep, str(tmp_path / "ep2"), autoep, stage):
             for name, value in saved.items():
                 torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=f"{world} ranks ep {ep}: {name}")
     # ...and back: a checkpoint of the unconverted model loads into a converted one
-    plain_saved = run_distributed(train_and_save, 1, "qwen2_moe", 1, str(tmp_path / "plain"), False)[0]
-    for loaded, _ in run_distributed(load_and_read, 2, "qwen2_moe", 2, str(tmp_path / "plain")):
+    plain_saved = run_distributed(train_and_save, 1, "qwen2_moe", 1, str(tmp_path / "plain"), False, stage)[0]
+    for loaded, _ in run_distributed(load_and_read, 2, "qwen2_moe", 2, str(tmp_path / "plain"), True, stage):
         for name, value in plain_saved.items():
             torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=f"into ep 2: {name}")

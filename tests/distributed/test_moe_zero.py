@@ -179,3 +179,25 @@ def checkpoint_round_trip(rank, world, tmp, stage):
 def test_checkpoint_round_trips(tmp_path, stage):
     names = run_distributed(checkpoint_round_trip, 2, str(tmp_path), stage)
     assert set(names[0]).isdisjoint(names[1])  # each rank saved its own experts under global names
+
+
+def stacked_places_at_stage3(rank, world):
+    from zeroengine.moe import MoE, expert_checkpoint_places
+
+    torch.manual_seed(0)
+    expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), MoE(8, expert, num_experts=4, ep_size=2, k=1,
+                                                           expert_layout="stacked"))
+    cfg = base_config(2, 1, world, 0.0, stage=3)
+    zeroengine.initialize(model=model, config=cfg)
+    places = expert_checkpoint_places(model)
+    return {name: (place.offset, place.shape) for name, place in places.items()}
+
+
+def test_stacked_experts_have_their_global_places_at_stage3():
+    """At stage 3 a stacked expert parameter is partitioned (empty between uses): its place in a checkpoint
+    comes from its full shape."""
+    for rank, places in enumerate(run_distributed(stacked_places_at_stage3, 2)):
+        w1 = places["1.local_experts.w1"]
+        assert w1 == (rank * 2 * 16 * 8, (4, 16, 8)), w1
+        assert places["1.local_experts.b2"] == (rank * 2 * 8, (4, 8))

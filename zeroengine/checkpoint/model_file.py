@@ -56,6 +56,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     arrive is named after the handshake deadline, instead of a collective timing out with no word on why."""
     exchange("save_16bit_model", None, ". Call engine.save_16bit_model on all ranks, not under `if rank == 0:` "
                                        "(only rank 0 writes the file anyway)")
+    engine.optimizer.land_delayed_update()  # (collective: after the exchange that names a missing rank)
     partitioned = any(is_partitioned(p) for p in engine.module.parameters())
     if partitioned and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         if comm.get_rank() == 0:

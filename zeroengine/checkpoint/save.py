@@ -60,6 +60,9 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     arrival = _exchange("save_checkpoint", {"tag": tag, "nonce": uuid.uuid4().hex[:12], "error": problem})
     raise_failures({r: p["error"] for r, p in enumerate(arrival) if p["error"]}, "save_checkpoint refused")
     tag = _agreed_tag(engine, arrival)
+    # offload's delayed update reaches the weights (collective: after the exchange that names a missing rank),
+    # so what is saved is every update applied, and resuming equals going on
+    engine.optimizer.land_delayed_update()
     staging = mf.staging_dir(save_dir, tag) + "-" + arrival[0]["nonce"]
 
     report = {"files": {}, "params": {}, "error": None}

@@ -3,9 +3,12 @@ any ``ep_size`` that divides ``num_experts``. Above the layer modules (it walks 
 layers); :mod:`.params` below them only tags parameters."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from zeroengine.zero.param_guard import full_shape
 
 from .autoep.experts import ShardedExperts
 from .grouped import GroupedMLPExperts
@@ -43,7 +46,8 @@ def expert_checkpoint_places(module: torch.nn.Module) -> dict[str, StoredAs]:
             for rest, p in sub.named_parameters(recurse=False):
                 name = f"{prefix}.{rest}" if prefix else rest
                 if present.get(name) is p:
-                    places[name] = StoredAs(name, sub.first * p[0].numel(), (sub.num_experts, *p.shape[1:]))
+                    shape = full_shape(p)  # (stage 3: the parameter itself may be partitioned, empty)
+                    places[name] = StoredAs(name, sub.first * math.prod(shape[1:]), (sub.num_experts, *shape[1:]))
             continue
         if not isinstance(sub, MoE):
             continue
@@ -52,9 +56,10 @@ def expert_checkpoint_places(module: torch.nn.Module) -> dict[str, StoredAs]:
             first = sub.global_expert_ids[0]
             for rest, p in sub.local_experts.named_parameters():
                 if present.get(f"{head}.{rest}") is p:
-                    per_expert = p[0].numel() if p.shape[0] else 0
+                    shape = full_shape(p)  # (stage 3: the parameter itself may be partitioned, empty)
+                    per_expert = math.prod(shape[1:]) if shape[0] else 0
                     places[f"{head}.{rest}"] = StoredAs(f"{head}.{rest}", first * per_expert,
-                                                        (sub.num_experts, *p.shape[1:]))
+                                                        (sub.num_experts, *shape[1:]))
             continue
         for local, (gid, expert) in enumerate(zip(sub.global_expert_ids, sub.local_experts)):
             for rest, p in expert.named_parameters():

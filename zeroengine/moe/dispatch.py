@@ -37,18 +37,27 @@ from .routing import GateOutput
 @dataclass
 class DispatchPlan:
     """``index [N]``: the token of each expert-ordered row; ``rows [S, k]``: the row of each kept
-    assignment (-1 if dropped); ``weights [S, k]``; ``counts [E]``: rows per expert (host ints)."""
+    assignment (-1 if dropped); ``weights [S, k]``; ``count_tensor [E]``: rows per expert, where the gate
+    computed them (the device); :attr:`counts` the same as host ints, read once when first asked for (the
+    all-to-all path reads its counts together with the peers' instead: one wait for the device per layer)."""
 
     index: torch.Tensor
     rows: torch.Tensor
     weights: torch.Tensor
-    counts: list[int]
+    count_tensor: torch.Tensor
     checked: bool = False  # maps from the fused gate kernel: in range by construction
+    _counts: list[int] | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = self.count_tensor.tolist()
+        return self._counts
 
     @classmethod
     def from_gate(cls, gate: GateOutput) -> "DispatchPlan":
         if getattr(gate, "rows", None) is not None:  # the fused gate built the maps (moe/fused_gate.py)
-            return cls(gate.index, gate.rows, gate.weights, gate.kept_counts.tolist(), checked=True)
+            return cls(gate.index, gate.rows, gate.weights, gate.kept_counts, checked=True)
         tokens, k = gate.expert_index.shape
         kept_flat = gate.kept.t().reshape(-1)
         # gate.order sorts assignments by expert with the kept ones first in each expert.
@@ -56,7 +65,7 @@ class DispatchPlan:
         rows_flat = torch.full((tokens * k,), -1, dtype=torch.long, device=selected.device)
         rows_flat[selected] = torch.arange(selected.numel(), device=selected.device)
         rows = rows_flat.view(k, tokens).t().contiguous()
-        return cls(selected % tokens, rows, gate.weights, gate.kept_counts.tolist())
+        return cls(selected % tokens, rows, gate.weights, gate.kept_counts)
 
 
 class LocalDispatch:
@@ -132,15 +141,14 @@ class AllToAllDispatch:
     def __call__(self, x: torch.Tensor, plan: DispatchPlan, experts, impl: str = "auto") -> torch.Tensor:
         ep, local, group = self.ep_size, self.num_local, self.groups.ep_group
         permuted = permute_tokens(x, plan.index, plan.rows, impl=impl)
-        # Counts travel first so every rank can size its receive buffer (and the uneven splits).
-        send_counts = torch.tensor(plan.counts, dtype=torch.long)
+        # Counts travel first so every rank can size its receive buffer (and the uneven splits). They stay
+        # where the gate computed them until both directions are known: one read on the host per layer.
+        send_counts = plan.count_tensor.to(device=comm.device_for_backend(), dtype=torch.long)
         recv_counts = torch.empty_like(send_counts)
-        device = comm.device_for_backend()
-        if device.type != "cpu":
-            send_counts, recv_counts = send_counts.to(device), recv_counts.to(device)
         comm.all_to_all_single(recv_counts, send_counts, group=group)
-        recv = recv_counts.cpu().view(ep, local)  # [source rank, local expert]
-        send_splits = send_counts.cpu().view(ep, local).sum(1).tolist()
+        both = torch.stack([send_counts, recv_counts]).cpu()
+        recv = both[1].view(ep, local)  # [source rank, local expert]
+        send_splits = both[0].view(ep, local).sum(1).tolist()
         recv_splits = recv.sum(1).tolist()
         arrived = _AllToAll.apply(permuted, send_splits, recv_splits, group)
         if local > 1:

@@ -24,13 +24,22 @@ Why a thread works: the C++ CPU Adam releases the GIL (ops/csrc/adam/cpu_adam.cp
 so Python's main thread goes on issuing the next step's kernels. The thread
 steps a snapshot of the param groups taken when it starts (an LR scheduler
 moves the live ones right after the step), restricted to one bucket's pieces
-at a time, so nothing else the optimizer holds is stepped or read twice.
+at a time, so nothing else the optimizer holds is stepped or read twice. It
+calls the optimizer class's own ``step`` on a shallow copy of the optimizer:
+torch's LR schedulers wrap ``optimizer.step`` per instance, and that wrapper
+would step the real optimizer's live groups. Background steps of several
+parts (MoE domains) share one optimizer and run one at a time (``_ONE_AT_A_TIME``).
+
+A failed background step poisons the update: every later attempt to use it
+raises, until a checkpoint load replaces masters and state (:meth:`discard`).
 """
 from __future__ import annotations
 
 import threading
 
 import torch
+
+_ONE_AT_A_TIME = threading.Lock()  # background steps of one process (parts sharing one optimizer) in turn
 
 
 class DelayedUpdate:
@@ -57,6 +66,7 @@ class DelayedUpdate:
         self._error: BaseException | None = None
         self._landed = True  # whether the last update's masters have been written into the model
         self._group_of: dict[int, int] | None = None
+        self.creating_state = False  # the running step is the first: it adds the optimizer's state entries
 
     @property
     def pending(self) -> bool:
@@ -66,23 +76,37 @@ class DelayedUpdate:
     def start(self, device_grads: list[torch.Tensor | None], inv_scale: float, clip_coef) -> None:
         """Copy the offloaded buckets' gradients down and step them in the background. ``clip_coef`` may be a
         device tensor: the thread reads it, so the main thread does not wait for the device."""
-        assert self._landed, "the previous delayed update must reach the model before the next one starts"
-        copied = self._copy_down(device_grads)
+        self.wait()
+        if not self._landed:
+            raise RuntimeError("offload_optimizer.delayed_update: the previous update has not reached the model")
+        done = self._copy_down(device_grads)
         groups = self._snapshot_groups()
+        self.creating_state = any(not self.optimizer.state.get(p) for b in self.buckets for p in self.pieces[b])
         self._landed = False
-        self._error = None
-        self._thread = threading.Thread(target=self._run, args=(copied, groups, inv_scale, clip_coef),
+        self._thread = threading.Thread(target=self._run, args=(done, groups, inv_scale, clip_coef),
                                         name="zeroengine-delayed-update", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
-        """Wait for the background step (local: no collective); re-raise what it raised."""
+        """Wait for the background step (local: no collective); raise if it failed (then on every call, until
+        :meth:`discard`: its masters and state are partly updated and must not reach the model)."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+            self.creating_state = False
         if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("offload_optimizer.delayed_update: the background optimizer step failed") from error
+            raise RuntimeError("offload_optimizer.delayed_update: the background optimizer step failed; load a "
+                               "checkpoint to go on") from self._error
+
+    def discard(self) -> None:
+        """Wait, and forget the write-back and any failure: masters, state and weights are about to be replaced
+        (a checkpoint load), or the engine is being destroyed."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self.creating_state = False
+        self._error = None
+        self._landed = True
 
     def take_landing(self) -> list[int]:
         """Wait, then the buckets whose updated masters must now be written into the model (once)."""
@@ -96,22 +120,27 @@ class DelayedUpdate:
         return list(self.host_grads.values())
 
     # -- internals ------------------------------------------------------------
-    def _copy_down(self, device_grads) -> object:
-        """Start copying each offloaded bucket's chunk into its host copy; returns what the thread waits on."""
-        event, keep = None, []
+    def _copy_down(self, device_grads):
+        """Start copying each offloaded bucket's chunk into its host copy; returns the event the thread waits on
+        (None: copied already)."""
+        on_device = False
         for b in self.buckets:
             host, grad = self.host_grads[b], device_grads[b]
             if grad is None:  # a bare step() with no backward: zero gradients, as the in-memory path uses
                 host.zero_()
             elif grad.device.type != "cuda":
                 host.copy_(grad)
-            else:  # widened on the device, copied on the current stream: the next backward's writes wait for it
-                keep.append(grad.float())
-                host.copy_(keep[-1], non_blocking=True)
-        if keep:
-            event = torch.cuda.Event()
-            event.record()
-        return event, keep
+            else:
+                # Widened on the device and copied on the current stream, one bucket at a time: the widened
+                # temporary goes back to the caching allocator at once, which hands its memory only to later
+                # work on this stream, ordered after the copy; the next backward's writes wait for it too.
+                host.copy_(grad.float(), non_blocking=True)
+                on_device = True
+        if not on_device:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _snapshot_groups(self) -> list[dict]:
         """Each param group's hyperparameters as they are now (the scheduler moves them after this step)."""
@@ -128,13 +157,13 @@ class DelayedUpdate:
 
     def _run(self, copied, groups, inv_scale: float, clip_coef) -> None:
         try:
-            event, _keep = copied
-            if event is not None:
-                event.synchronize()
+            if copied is not None:
+                copied.synchronize()
             coef = float(clip_coef)
-            shadow = object.__new__(type(self.optimizer))  # the same optimizer, stepping other group lists
+            cls = type(self.optimizer)
+            shadow = object.__new__(cls)  # the same optimizer (state, kernels), stepping other group lists
             shadow.__dict__.update(self.optimizer.__dict__)
-            with torch.no_grad():
+            with _ONE_AT_A_TIME, torch.no_grad():
                 for b in self.buckets:
                     grad = self.host_grads[b]
                     if inv_scale != 1.0:  # the undelayed step's order: unscale, then clip
@@ -146,7 +175,7 @@ class DelayedUpdate:
                         piece.grad = grad[where.chunk_start:where.chunk_start + where.numel]
                     shadow.param_groups = self._bucket_groups(b, groups)
                     try:
-                        shadow.step()
+                        cls.step(shadow)  # the class's: a scheduler's per-instance wrapper steps the real one
                     finally:
                         for piece in self.pieces[b]:
                             piece.grad = None

@@ -215,7 +215,9 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
                    for (_, part), source in zip(parts, sources)]
     frozen_buffer = buffer_of(frozen, len(trainable.params), everyone, reshard) if frozen.params else None
     if world > 1 and gather_order.enabled():
-        _check_gather_order(buffers + [frozen_buffer], per_event=gather_order.mode() == "event")
+        labels = ["" if not d.is_expert else f"expert (ep group of {world // d.world})" for d, _ in parts]
+        _check_gather_order(list(zip(labels, buffers)) + [("frozen", frozen_buffer)],
+                            per_event=gather_order.mode() == "event")
     for source in {id(s): s for s in sources + [reshard]}.values():
         source.release_init_shards()
     _cast_floating_buffers(module, policy.param_dtype)
@@ -274,12 +276,14 @@ def _modules_reading_weights_directly(module: torch.nn.Module) -> tuple[torch.nn
     return tuple(m for m in module.modules() if isinstance(m, MoE))
 
 
-def _check_gather_order(buffers, per_event: bool) -> None:
-    """One GatherOrderCheck for the model's buffers, each tagged by its position (trainable 0, frozen 1)."""
-    tagged = [(tag, buf) for tag, buf in enumerate(buffers) if buf is not None]
+def _check_gather_order(labelled_buffers, per_event: bool) -> None:
+    """One GatherOrderCheck for the model's buffers ((label, buffer or None) pairs), each tagged by its
+    position."""
+    tagged = [(tag, label, buf) for tag, (label, buf) in enumerate(labelled_buffers) if buf is not None]
     check = GatherOrderCheck({tag: [[buf.names[s.index] for s in bucket.slots] for bucket in buf.layout.buckets]
-                              for tag, buf in tagged}, per_event=per_event)
-    for tag, buf in tagged:
+                              for tag, _, buf in tagged}, per_event=per_event,
+                             buffer_labels={tag: label for tag, label, _ in tagged})
+    for tag, _, buf in tagged:
         buf.order_check, buf.order_tag = check, tag
 
 

@@ -92,10 +92,13 @@ class GatherOrderCheck:
     # A row: [kind, buffer tag, bucket, label hash, phase, hash of the event's units].
     _GATHER, _EVENT = 0, 1
 
-    def __init__(self, bucket_names: dict[int, list[list[str]]], per_event: bool = False):
+    def __init__(self, bucket_names: dict[int, list[list[str]]], per_event: bool = False,
+                 buffer_labels: dict[int, str] | None = None):
         """``bucket_names[tag][b]``: the parameter names in bucket ``b`` of the buffer tagged ``tag``;
-        ``per_event``: check every row when it happens, in every pass (``ZEROENGINE_STAGE3_ORDER_CHECK=event``)."""
+        ``per_event``: check every row when it happens, in every pass (``ZEROENGINE_STAGE3_ORDER_CHECK=event``);
+        ``buffer_labels[tag]``: how errors name the buffer ("frozen", "expert"; none for the trainable one)."""
         self.bucket_names = bucket_names
+        self.buffer_labels = buffer_labels or {}
         self.always_per_event = per_event
         self.world = comm.get_world_size()
         self.rank = comm.get_rank()
@@ -225,7 +228,8 @@ class GatherOrderCheck:
         names = self.bucket_names.get(tag, [])
         params = names[bucket] if 0 <= bucket < len(names) else ["?"]
         shown = ", ".join(params[:4]) + (f", ... ({len(params)} parameters)" if len(params) > 4 else "")
-        where = f"{'frozen ' if tag else ''}bucket {bucket} [{shown}]"
+        label = self.buffer_labels.get(tag, "")
+        where = f"{label + ' ' if label else ''}bucket {bucket} [{shown}]"
         purpose = self._labels.get(key)
         if purpose is None:  # a label this rank never used: name the module from its parameters' names
             owner = _common_module(params)

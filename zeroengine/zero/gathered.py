@@ -70,6 +70,12 @@ class GatheredParameters:
                 passed_through += 1
         if passed_through and self.modifier_rank is not None and comm.get_world_size() > 1:
             _warn_passed_through(passed_through, self.modifier_rank)
+        if self.modifier_rank is not None:
+            # offload's delayed update reaches the weights first: the edit is made on them, and taken into the
+            # masters on exit, instead of the masters' newer values being overwritten by older weights
+            owners = [o for _, _, o in list(seen.values()) + list(self._flat.values()) if o is not None]
+            for owner in {id(o): o for o in owners}.values():  # first-use order: the same on every rank
+                owner.land_delayed_update()
         # The same order on every rank: the gathers are collectives.
         for _, (buffer, index, owner) in sorted(seen.items(), key=lambda kv: kv[0][1]):
             bucket = buffer.layout.buckets[index]

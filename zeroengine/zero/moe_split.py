@@ -183,9 +183,13 @@ class ExpertShardedOptimizer(ZeroOptimizer):
         for part in self.parts:
             part.land_delayed_update()
 
+    def discard_delayed_update(self) -> None:
+        for part in self.parts:
+            part.discard_delayed_update()
+
     def memory_tally(self) -> MemoryTally:
         for part in self.parts:
-            part.wait_delayed_update()  # a background step may be creating optimizer state
+            part.wait_if_creating_state()
         tally = MemoryTally()  # one tally, so storages shared between parts count once
         for part in self.parts:
             tally.add("params", part.flat_params.held_tensors())

@@ -167,7 +167,11 @@ class ZeroOptimizer:
 
     def land_delayed_update(self) -> None:
         """offload_optimizer.delayed_update: write the update still on its way into the model's parameters
-        (collective). Before a save or load and destroy(), so what is saved or left is every update applied."""
+        (collective). At the next step's start, before a save and a modifying GatheredParameters."""
+
+    def discard_delayed_update(self) -> None:
+        """Wait for a delayed update and forget its write-back (local): a checkpoint load overwrites masters,
+        optimizer state and weights, or destroy() leaves (a pending update is then logged as not landed)."""
 
     # -- the shared step ------------------------------------------------------
     @torch.no_grad()

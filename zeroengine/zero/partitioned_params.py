@@ -81,7 +81,7 @@ class FetchStats:
 class PartitionedParamBuffer(ParamBuffer):
     partitioned = True
     order_check = None  # a GatherOrderCheck shared by the model's buffers, set once they all exist
-    order_tag = 0  # this buffer's number in the check (0 trainable, 1 frozen)
+    order_tag = 0  # this buffer's number in the check (its position among the stage's buffers)
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None, names: list[str] | None = None, persistent: frozenset[int] = frozenset(),

@@ -23,6 +23,8 @@ written into the model at the start of the next step (:meth:`land_delayed_update
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from zeroengine import comm
@@ -138,6 +140,16 @@ class ShardedOptimizer(ZeroOptimizer):
         if self.delayed is not None:
             self.delayed.wait()
 
+    def wait_if_creating_state(self) -> None:
+        """Wait only if the background step may be adding optimizer state (its first step): reading the state's
+        sizes is safe otherwise, and a monitor's memory row then leaves the overlap alone."""
+        if self.delayed is not None and self.delayed.creating_state:
+            self.delayed.wait()
+
+    def discard_delayed_update(self) -> None:
+        if self.delayed is not None:
+            self.delayed.discard()
+
     def land_delayed_update(self) -> None:
         """Write the last delayed update into the model's parameters (collective at stages 1-2: an
         all-gather). Called where every rank is: the next step's start, saving, destroy()."""
@@ -252,7 +264,11 @@ class ShardedOptimizer(ZeroOptimizer):
         return [None if self._in_flight(b) else chunk for b, chunk in enumerate(self.chunks)]
 
     def remove_hooks(self) -> None:
-        self.land_delayed_update()
+        if self.delayed is not None and self.delayed.pending and self.rank == 0:
+            logging.getLogger("zeroengine").warning(
+                "destroy(): the last delayed update (offload_optimizer.delayed_update) is in the masters but not "
+                "in the module's weights; save_checkpoint before destroy() keeps it")
+        self.discard_delayed_update()  # local: destroy() must not wait on other ranks
         self.grad_store.remove_hooks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -272,7 +288,7 @@ class ShardedOptimizer(ZeroOptimizer):
         return self.offloaded_step.held_tensors() + (self.delayed.held_tensors() if self.delayed else [])
 
     def memory_tally(self) -> MemoryTally:
-        self.wait_delayed_update()  # the background step may be creating optimizer state
+        self.wait_if_creating_state()
         tally = MemoryTally()
         flat_ids = {id(p) for p in self.flat_params.params}
         tally.add("params", self.flat_params.held_tensors())

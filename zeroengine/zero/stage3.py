@@ -97,7 +97,7 @@ class Stage3Optimizer(ShardedOptimizer):
         self.flat_params.after_step([None if b in written else chunk for b, chunk in enumerate(self._settled_chunks())])
 
     def fetch_stats(self) -> dict:
-        """Gathers issued, prefetches, live elements (both buffers share one FetchStats)."""
+        """Gathers issued, prefetches, live elements (every buffer of the stage shares one FetchStats)."""
         s = self.flat_params.stats
         stats = {k: getattr(s, k) for k in ("on_demand", "prefetched", "waited_in_flight", "gathered_numel",
                                              "live_numel", "peak_live_numel")}

@@ -42,7 +42,10 @@ class OffloadOptimizerConfig(ConfigModel):
                            "uses gradients one step stale). Opt-in: it changes the training trajectory "
                            "(benchmarks/bench_delayed_update.py measures by how much). Offloaded buckets "
                            "only; resident ones (ratio below 1) update at once. Costs one fp32 copy of the "
-                           "offloaded gradient shard in CPU memory.")
+                           "offloaded gradient shard in CPU memory. Between steps the module's weights lag the "
+                           "masters by that one update (engine.module.state_dict() at stages 1-2, a read-only "
+                           "GatheredParameters at stage 3); save_checkpoint, save_16bit_model and a modifying "
+                           "GatheredParameters apply it first, destroy() does not.")
     delayed_update_warmup_steps: NonNegativeInt = Field(
         40, description="Optimizer steps taken without delay before delayed_update starts (as ZeRO-Offload "
                         "does: the first steps, when weights move most, use fresh gradients).")
