@@ -91,8 +91,11 @@ def swiglu_rows(x: torch.Tensor, counts: Sequence[int], gate_up: torch.Tensor, d
         offs = ExpertRows(counts, x.device).offsets()
         gate, up = torch._grouped_mm(x, gate_up_t, offs=offs).chunk(2, dim=-1)
         return torch._grouped_mm(act(gate) * up, down_t, offs=offs)
+    # unbind, not gate_up[i]: one backward node stacks the experts' weight gradients once, where indexing
+    # would make every expert's backward write a zero-filled gradient of the whole stacked parameter (64
+    # experts at FastMoE's CPU shape: 20 s a step instead of about 1)
     outputs = []
-    for i, rows in enumerate(x.split(counts)):
-        gate, up = F.linear(rows, gate_up[i]).chunk(2, dim=-1)
-        outputs.append(F.linear(act(gate) * up, down[i]))
+    for rows, w1, w2 in zip(x.split(counts), gate_up.unbind(0), down.unbind(0)):
+        gate, up = F.linear(rows, w1).chunk(2, dim=-1)
+        outputs.append(F.linear(act(gate) * up, w2))
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
