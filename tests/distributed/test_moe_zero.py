@@ -210,10 +210,8 @@ def _decaying(step: int) -> float:
 def stale_reference_run(world, clip, warmup):
     """One process, every expert, with offload's delayed update (update t uses gradients taken before update
     t-1 reached the weights, after ``warmup`` fresh steps), SGD under a torch LambdaLR."""
-    import copy
-
     model = make_model(1)
-    master = copy.deepcopy(model)
+    master = make_model(1)  # the same seed: the same weights (a deepcopy would copy the expert process groups)
     opt = torch.optim.SGD(master.parameters(), lr=SGD_LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _decaying)
 
