@@ -71,6 +71,28 @@ def engine_losses(engine, batches, rank: int, world: int, device=None) -> list[f
     return losses
 
 
+def delayed_update_step(model, master, opt, sched, delayed: bool) -> None:
+    """One optimizer step of offload's delayed update in plain torch: ``model`` (the weights forward runs on)
+    holds this step's gradients, ``master`` is what ``opt`` steps. Delayed, the last update lands in the model
+    before this one starts (so this gradient was taken one update late); undelayed, this update lands at once."""
+    if delayed:
+        copy_weights(model, master)
+    for p, m in zip(model.parameters(), master.parameters()):
+        m.grad = p.grad.clone()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    model.zero_grad()
+    if not delayed:
+        copy_weights(model, master)
+
+
+def copy_weights(dst, src) -> None:
+    with torch.no_grad():
+        for d, s in zip(dst.parameters(), src.parameters()):
+            d.copy_(s)
+
+
 def reference_run(steps: int, gas: int, world: int, micro: int, clip: float, lr: float = 1e-2):
     """Plain single-process training on the same global batches; returns (losses, final params)."""
     model = make_model()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from model import GPTConfig
 from moe_model import MoEConfig, MoEGPT
-from parity import base_config, global_batches
+from parity import base_config, copy_weights, delayed_update_step, global_batches
 
 import zeroengine
 from zeroengine.config import ConfigError
@@ -214,27 +214,12 @@ def stale_reference_run(world, clip, warmup):
     master = make_model(1)  # the same seed: the same weights (a deepcopy would copy the expert process groups)
     opt = torch.optim.SGD(master.parameters(), lr=SGD_LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _decaying)
-
-    def land():
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), master.parameters()):
-                p.copy_(m)
-
     for i, step in enumerate(global_batches(STEPS, 1, world, MICRO)):
         loss = sum(model(x, y) for micro_step in step for x, y in micro_step) / world
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if i >= warmup:
-            land()
-        for p, m in zip(model.parameters(), master.parameters()):
-            m.grad = p.grad.clone()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        model.zero_grad()
-        if i < warmup:
-            land()
-    land()
+        delayed_update_step(model, master, opt, sched, delayed=i >= warmup)
+    copy_weights(model, master)  # the last update lands (the engine's land_delayed_update)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from parity import ADAM_EPS, make_model
+from parity import ADAM_EPS, delayed_update_step, make_model
 from test_checkpoint_reshard import batch, config, full_state, train
 
 import zeroengine
@@ -48,25 +48,9 @@ def reference(steps: int, warmup: int | None, torch_scheduler: bool = False):
         loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        delayed = warmup is not None and step >= warmup
-        if delayed:  # update step-1 lands before update step starts
-            master_into(model, master)
-        for p, m in zip(model.parameters(), master.parameters()):
-            m.grad = p.grad.clone()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        model.zero_grad()
-        if not delayed:
-            master_into(model, master)
+        delayed_update_step(model, master, opt, sched, delayed=warmup is not None and step >= warmup)
         losses.append(loss.item())
     return losses, state_of(model), state_of(master)
-
-
-def master_into(model, master):
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), master.parameters()):
-            p.copy_(m)
 
 
 def state_of(model):

@@ -39,6 +39,8 @@ import threading
 
 import torch
 
+from .step import pieces_holding, unscale_and_clip
+
 _ONE_AT_A_TIME = threading.Lock()  # background steps of one process (parts sharing one optimizer) in turn
 
 
@@ -166,18 +168,9 @@ class DelayedUpdate:
             with _ONE_AT_A_TIME, torch.no_grad():
                 for b in self.buckets:
                     grad = self.host_grads[b]
-                    if inv_scale != 1.0:  # the undelayed step's order: unscale, then clip
-                        grad.mul_(inv_scale)
-                    if coef != 1.0:
-                        grad.mul_(coef)
-                    wheres = self.layout.buckets[b].pieces_in_chunk(self.rank)
-                    for where, piece in zip(wheres, self.pieces[b]):
-                        piece.grad = grad[where.chunk_start:where.chunk_start + where.numel]
+                    unscale_and_clip(grad, inv_scale, coef)
                     shadow.param_groups = self._bucket_groups(b, groups)
-                    try:
+                    with pieces_holding(self.pieces[b], self.layout.buckets[b].pieces_in_chunk(self.rank), grad):
                         cls.step(shadow)  # the class's: a scheduler's per-instance wrapper steps the real one
-                    finally:
-                        for piece in self.pieces[b]:
-                            piece.grad = None
         except BaseException as error:  # re-raised on the main thread by wait()
             self._error = error

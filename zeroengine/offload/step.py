@@ -25,7 +25,30 @@ synchronous copies.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+
+
+def unscale_and_clip(grad: torch.Tensor, inv_scale: float, clip_coef: float) -> None:
+    """In place, in the in-memory path's order and precision: unscale (fp16's loss scale), then clip."""
+    if inv_scale != 1.0:
+        grad.mul_(inv_scale)
+    if clip_coef != 1.0:
+        grad.mul_(clip_coef)
+
+
+@contextmanager
+def pieces_holding(pieces: list[torch.nn.Parameter], wheres, grad: torch.Tensor):
+    """For one optimizer step over a bucket: each piece's ``.grad`` is its slice of the bucket's chunk gradient
+    ``grad`` (``wheres``: the bucket's pieces in this rank's chunk); cleared after, so no piece steps twice."""
+    for where, piece in zip(wheres, pieces):
+        piece.grad = grad[where.chunk_start:where.chunk_start + where.numel]
+    try:
+        yield
+    finally:
+        for piece in pieces:
+            piece.grad = None
 
 
 class OffloadedStep:
@@ -68,10 +91,7 @@ class OffloadedStep:
             self._copy_down(i, order[i], device_grads[order[i]])
         for i, b in enumerate(order):
             grad = self._wait(i, b)
-            if inv_scale != 1.0:
-                grad.mul_(inv_scale)
-            if clip_coef != 1.0:
-                grad.mul_(clip_coef)
+            unscale_and_clip(grad, inv_scale, clip_coef)
             values = self._step_bucket(i, b, self.layout.buckets[b], grad)
             self._readers[i % 2] = bucket_done(b, values)
             if i + 2 < len(order):  # the buffer this bucket used is free again
@@ -116,9 +136,7 @@ class OffloadedStep:
     def _step_bucket(self, i: int, b: int, bucket, grad: torch.Tensor) -> torch.Tensor:
         """Step bucket b (the i-th offloaded one); returns its updated values to send."""
         wheres = bucket.pieces_in_chunk(self.rank)
-        for where, piece in zip(wheres, self.pieces[b]):
-            piece.grad = grad[where.chunk_start:where.chunk_start + where.numel]
-        try:
+        with pieces_holding(self.pieces[b], wheres, grad):
             if self.copy_buffers is None:
                 self.optimizer.step()
                 return self.chunks[b]
@@ -131,9 +149,6 @@ class OffloadedStep:
             # the masters: zero here too rather than what an earlier bucket left in the buffer.
             staging[sum(w.numel for w in wheres):].zero_()
             return staging
-        finally:
-            for piece in self.pieces[b]:
-                piece.grad = None
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.host_grads) + list(self.copy_buffers or [])

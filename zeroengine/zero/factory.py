@@ -163,19 +163,16 @@ def _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, c
                                                     int(zero_config.reduce_bucket_size)),
                              policy.param_dtype, d.rank, group=d.group) for d in domains]
     module.to(policy.param_dtype)  # whatever is not trainable (buffers, frozen params) follows
-    parts, merged = [], [[] for _ in optimizer.param_groups]
-    for d, flat, values in zip(domains, flats, fp32_values):
-        reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
-                                divisor=d.divisor)
-        grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
-        # adopt_param_groups (in _assemble) gives the groups this part's pieces: collected, merged below
-        parts.append(_assemble(module, optimizer, policy, loss_scaler, clip, zero_config, flat, d.params, values,
-                               grad_store, group_of))
-        for i, g in enumerate(optimizer.param_groups):
-            merged[i].extend(g["params"])
-    for g, params in zip(optimizer.param_groups, merged):
-        g["params"] = params
-    return parts
+
+    def assembled():
+        for d, flat, values in zip(domains, flats, fp32_values):
+            reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
+                                    divisor=d.divisor)
+            grad_store = FullGradStore(flat, reducer) if stage == 1 else PartitionedGradStore(flat, reducer)
+            yield _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, flat, d.params, values,
+                            grad_store, group_of)
+
+    return _one_optimizer_for(optimizer, assembled())
 
 
 def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None):
@@ -230,28 +227,42 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
                         always_whole=_modules_reading_weights_directly(module))
     if zero_config.stage3_fetch_unit == "block":
         hooks.fetch_whole(find_blocks(module))
-    optimizers, merged = [], [[] for _ in optimizer.param_groups]
-    for i, ((d, part), buffer, values) in enumerate(zip(parts, buffers, fp32_values)):
-        last = i == len(parts) - 1  # the pass ends (and is compared) once, after every domain's gradients
-        reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
-                                divisor=d.divisor)
-        grad_store = PartitionedGradStore(buffer, reducer,
-                                          on_bucket_ready=functools.partial(hooks.on_bucket_grads_ready,
-                                                                            buffer=buffer),
-                                          on_stray_pass_over=hooks.release_all)
-        optimizers.append(_assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, part.params,
-                                    values, grad_store, group_of, after_backward=hooks.after_backward if last else None,
-                                    cls=Stage3Optimizer, hooks=hooks if i == 0 else None,
-                                    frozen_params=frozen_buffer if i == 0 else None))
-        for i_group, g in enumerate(optimizer.param_groups):  # adopt_param_groups gave the groups this part's
-            merged[i_group].extend(g["params"])  # pieces: one torch optimizer steps every part's
-    for g, params in zip(optimizer.param_groups, merged):
-        g["params"] = params
+
+    def assembled():
+        for i, ((d, part), buffer, values) in enumerate(zip(parts, buffers, fp32_values)):
+            last = i == len(parts) - 1  # the pass ends (and is compared) once, after every domain's gradients
+            reducer = BucketReducer(d.rank, d.world, d.group, comm_dtype, overlap=bool(zero_config.overlap_comm),
+                                    divisor=d.divisor)
+            grad_store = PartitionedGradStore(buffer, reducer,
+                                              on_bucket_ready=functools.partial(hooks.on_bucket_grads_ready,
+                                                                                buffer=buffer),
+                                              on_stray_pass_over=hooks.release_all)
+            yield _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer, part.params, values,
+                            grad_store, group_of, after_backward=hooks.after_backward if last else None,
+                            cls=Stage3Optimizer, hooks=hooks if i == 0 else None,
+                            frozen_params=frozen_buffer if i == 0 else None)
+
+    optimizers = _one_optimizer_for(optimizer, assembled())
     if frozen_buffer is not None:
         record_buffer(frozen_buffer, None)
     if len(optimizers) == 1:
         return optimizers[0]
     return ExpertShardedOptimizer(optimizers, optimizer, policy, loss_scaler, clip)
+
+
+def _one_optimizer_for(optimizer: torch.optim.Optimizer, assembled) -> list[ShardedOptimizer]:
+    """The parts ``assembled`` yields, built one at a time, and the one torch optimizer stepping all their
+    pieces: each part's ``adopt_param_groups`` (in :func:`_assemble`) sets the groups to that part's pieces,
+    collected after it is built and merged at the end."""
+    merged = [[] for _ in optimizer.param_groups]
+    parts = []
+    for part in assembled:
+        parts.append(part)
+        for pieces, group in zip(merged, optimizer.param_groups):
+            pieces.extend(group["params"])
+    for group, pieces in zip(optimizer.param_groups, merged):
+        group["params"] = pieces
+    return parts
 
 
 def _stage3_parts(trainable: Stage3Params, domains: list[ParamDomain]) -> list[tuple[ParamDomain, Stage3Params]]:

@@ -152,7 +152,7 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def land_delayed_update(self) -> None:
         """Write the last delayed update into the model's parameters (collective at stages 1-2: an
-        all-gather). Called where every rank is: the next step's start, saving, destroy()."""
+        all-gather). Called where every rank is: the next step's start, saving, a modifying GatheredParameters."""
         if self.delayed is None:
             return
         landed = set(self.delayed.take_landing())
