@@ -10,6 +10,7 @@ import torch
 
 from zeroengine import comm
 from zeroengine.comm.scratch import scratch as comm_scratch
+from zeroengine.parallel.mesh import ProcessMesh, data_parallel_mesh
 from zeroengine.progress import ProgressMeter, StepTimers, format_progress, get_logger
 from zeroengine.zero.grad_stores import engine_backward
 from zeroengine.zero.optimizer import StepResult, ZeroOptimizer
@@ -37,8 +38,9 @@ class Engine(torch.nn.Module):
     ``nn.Module`` find one). Attributes the engine lacks are looked up on the model, as DeepSpeed does."""
 
     def __init__(self, module: torch.nn.Module, zero_optimizer: ZeroOptimizer, config, policy, lr_scheduler=None,
-                 local_rank: int = 0):
+                 local_rank: int = 0, mesh: ProcessMesh | None = None):
         super().__init__()
+        self.mesh = mesh or data_parallel_mesh()  # data × tensor × pipeline (zeroengine.parallel.mesh)
         self.module = module
         self.optimizer = zero_optimizer
         self.config = config
@@ -47,6 +49,7 @@ class Engine(torch.nn.Module):
         self.device = comm.device_for_backend()  # where inputs should go: cuda:LOCAL_RANK under NCCL, else cpu
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
+        self.dp_world_size = self.mesh.dp  # DeepSpeed's name: the ranks ZeRO partitions over
         self.local_rank = local_rank
         self.global_steps = 0
         self.global_samples = 0
@@ -251,31 +254,39 @@ class Engine(torch.nn.Module):
                                    "last optimizer step: there are no gradients to step with (call "
                                    "engine.backward(loss), not loss.backward())")
             self._backward_since_step = False
-            self._time("step", start=True)
-            lr = self.get_lr()[0]  # the rate this step applies, for the monitors (the scheduler moves it below)
-            result = self.optimizer.step()
-            self.last_step = result
-            self._step_applied = result.applied
-            if result.applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
-                self.skipped_steps += 1
-                if self.global_rank == 0:
-                    scaled = self.optimizer.loss_scaler is not None
-                    self._log.info(
-                        f"step {self.global_steps + 1}: "
-                        + (f"fp16 gradient overflow, step skipped; loss scale {result.loss_scale:g} -> "
-                           f"{self.optimizer.loss_scale:g}" if scaled else
-                           "non-finite gradients, step skipped (bf16.check_grad_overflow)"))
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            self._meter.add_step()
-            self._time("step", start=False)
-            self._monitor_step(lr, result)
-            if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
-                self._report_progress()
+            self._take_optimizer_step(lr_kwargs)
         self.micro_steps += 1
+
+    def _take_optimizer_step(self, lr_kwargs=None) -> None:
+        """The optimizer step of an accumulation boundary, and what follows it (scheduler, counters, reports)."""
+        self._time("step", start=True)
+        lr = self.get_lr()[0]  # the rate this step applies, for the monitors (the scheduler moves it below)
+        result = self.optimizer.step()
+        self._after_optimizer_step(result)
+        self.last_step = result
+        self._step_applied = result.applied
+        if result.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                scaled = self.optimizer.loss_scaler is not None
+                self._log.info(
+                    f"step {self.global_steps + 1}: "
+                    + (f"fp16 gradient overflow, step skipped; loss scale {result.loss_scale:g} -> "
+                       f"{self.optimizer.loss_scale:g}" if scaled else
+                       "non-finite gradients, step skipped (bf16.check_grad_overflow)"))
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._meter.add_step()
+        self._time("step", start=False)
+        self._monitor_step(lr, result)
+        if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
+            self._report_progress()
+
+    def _after_optimizer_step(self, result: StepResult) -> None:
+        """What a subclass does once the optimizer stepped (the pipeline engine refreshes tied weights' copies)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()

@@ -16,11 +16,15 @@ from zeroengine.engine import Engine
 from zeroengine.monitor import build_recorder
 from zeroengine.optim.factory import build_optimizer
 from zeroengine.optim.schedulers import ScheduleParamError, build_scheduler
+from zeroengine.parallel.mesh import ProcessMesh, data_parallel_mesh, mesh_from_mpu
+from zeroengine.pipe.engine import PipelineEngine
+from zeroengine.pipe.module import PipelineModule
 from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
 from zeroengine.progress import set_log_level
 from zeroengine.zero.factory import build_zero_optimizer
 from zeroengine.zero.initial_state import broadcast_initial_state
+from zeroengine.zero.optimizer import reduced_elsewhere
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -80,9 +84,10 @@ def _hidden_size_of(model) -> int | None:
 
 
 def _trainable_params(model, model_parameters):
+    # A pipeline stage's copy of a tied weight is stepped by the stage owning it (zeroengine.pipe), never here.
     if model_parameters is None:
-        return [p for p in model.parameters() if p.requires_grad]
-    return list(model_parameters)
+        return [p for p in model.parameters() if p.requires_grad and not reduced_elsewhere(p)]
+    return [p for p in model_parameters if not reduced_elsewhere(p)]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -106,7 +111,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("<config>", "no config given: pass config=<path or dict>, or --zeroengine_config on args")
     if dist_init_required is not False:
         comm.init_distributed()
-    cfg = load_config(config, world_size=comm.get_world_size(), hidden_size=_hidden_size_of(model))
+    mesh = _mesh_for(model, mpu)
+    cfg = load_config(config, world_size=mesh.dp, hidden_size=_hidden_size_of(model))
+    _check_pipeline_config(cfg, model)
     set_log_level(cfg.log_level)
     compiled = "torch._dynamo" in sys.modules and (  # (no compiled model without it)
         isinstance(model, torch._dynamo.eval_frame.OptimizedModule)  # torch.compile(model)
@@ -124,7 +131,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     policy = PrecisionPolicy(cfg.precision_dtype, auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
     device = comm.device_for_backend()
     model.to(device)
-    broadcast_initial_state(model)  # every rank starts from rank 0's weights, as under DeepSpeed and DDP
+    # every data-parallel replica starts from the first replica's weights, as under DeepSpeed and DDP
+    broadcast_initial_state(model, mesh)
+    if isinstance(model, PipelineModule):
+        model.sync_tied_weights()  # each stage's copy of a tied weight starts from its owner's
     autoep = _convert_moe_blocks(cfg, model)  # after the broadcast: each rank keeps its experts of rank 0's values
 
     torch_optimizer = _resolve_optimizer(cfg, model, optimizer, model_parameters)
@@ -140,12 +150,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         cfg.zero_optimization.stage, model, torch_optimizer, policy, loss_scaler,
         cfg.zero_optimization, cfg.gradient_clipping,
         comm_dtype=_COMM_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
-        allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
+        allow_untested_optimizer=cfg.zero_allow_untested_optimizer, mesh=mesh,
     )
     zero_optimizer.skip_nonfinite_steps = bool(cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
     scheduler = _resolve_scheduler(cfg, torch_optimizer, lr_scheduler)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank)
+    if isinstance(model, PipelineModule):
+        engine = PipelineEngine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank,
+                                mesh=mesh, schedule=cfg.pipeline.schedule)
+    else:
+        engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank, mesh=mesh)
     engine.monitor = build_recorder(cfg.monitor, comm.get_rank())
     engine.autoep = autoep
     if cfg.compile.enabled:
@@ -153,9 +167,39 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn=collate_fn,
-                                  rank=comm.get_rank(), world_size=comm.get_world_size(),
-                                  drop_last=cfg.dataloader_drop_last)
+                                  rank=mesh.dp_rank, world_size=mesh.dp, drop_last=cfg.dataloader_drop_last)
+        if isinstance(engine, PipelineEngine):
+            engine.training_dataloader = loader
     return engine, zero_optimizer, loader, scheduler
+
+
+def _mesh_for(model, mpu) -> ProcessMesh:
+    """The process mesh: a PipelineModule's (made when it was built), a Megatron-style mpu's groups, or every rank
+    a data-parallel replica."""
+    if isinstance(model, PipelineModule):
+        if mpu is not None:
+            raise ValueError("initialize(mpu=...) with a PipelineModule: the module made its own pipeline × data "
+                             "mesh; pass one or the other")
+        return model.mesh
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+        return mesh_from_mpu(mpu)
+    return data_parallel_mesh()
+
+
+def _check_pipeline_config(cfg, model) -> None:
+    stages = cfg.pipeline.stages
+    if isinstance(model, PipelineModule):
+        if stages != "auto" and stages != model.num_stages:
+            raise ConfigError("pipeline.stages", f"{stages}, but the PipelineModule has num_stages={model.num_stages}; "
+                              "set it to \"auto\" or to the module's value")
+        if cfg.zero_optimization.stage > 1:
+            raise ConfigError("zero_optimization.stage", f"stage {cfg.zero_optimization.stage} with a PipelineModule: "
+                              "pipeline parallelism composes with ZeRO stages 0 and 1 (as in DeepSpeed): stage 2 "
+                              "would reduce each micro-batch's gradients as backward produces them, and stage 3 "
+                              "gather parameters per micro-batch, once per micro-batch in flight; use stage 1")
+    elif stages != "auto" and stages > 1:
+        raise ConfigError("pipeline.stages", f"{stages} stages, but the model is not a zeroengine.pipe.PipelineModule; "
+                          "build it as one (its layers as a list) to train it as a pipeline")
 
 
 def _convert_moe_blocks(cfg, model):
@@ -193,6 +237,8 @@ def _resolve_optimizer(cfg, model, optimizer, model_parameters):
         torch_optimizer = optimizer
     if not isinstance(torch_optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(torch_optimizer).__name__}")
+    for group in torch_optimizer.param_groups:  # (an optimizer built by the caller over all the parameters)
+        group["params"] = [p for p in group["params"] if not reduced_elsewhere(p)]
     model_param_ids = {id(p) for p in model.parameters()}
     stepped = [p for g in torch_optimizer.param_groups for p in g["params"]]
     foreign = [p for p in stepped if id(p) not in model_param_ids]

@@ -69,8 +69,6 @@ KEYS = [
     ("", "vocabulary_size", None, "50257", "whole number"),
     ("", "aio", {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                  "overlap_events": True, "use_gds": False}, {"block_sise": 1048576}, "aio keys"),
-    ("", "pipeline", {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
-                      "pipe_partitioned": True, "grad_partitioned": True}, {"stages": 2}, "DeepSpeed's defaults"),
     ("", "data_types", {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
                         "keep_in_fp32_modules": "auto"}, {"grad_accum_dtype": "fp32"}, "training dtype"),
 ]

@@ -157,7 +157,6 @@ def test_switched_off_features_are_accepted_in_every_spelling():
 @pytest.mark.parametrize("config", [
     {"zero_force_ds_cpu_optimizer": "yes"},
     {"amp": {"enabled": True}},
-    {"pipeline": {"stages": 2}},
     {"data_types": {"grad_accum_dtype": "fp32"}},
     {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
     {"checkpoint": {"parallel_write": {"pipeline_stage": True}}},

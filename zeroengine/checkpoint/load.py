@@ -19,6 +19,7 @@ import torch
 from zeroengine import comm
 from zeroengine.progress import get_logger
 from zeroengine.zero.gathered import GatheredParameters
+from zeroengine.zero.optimizer import reduced_elsewhere
 from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
@@ -329,7 +330,9 @@ def _load_module_extras(engine, extras: dict, strict: bool = True) -> None:
     if unknown and strict:
         raise CheckpointError(f"the checkpoint has module entries {unknown[:8]} this model does not have")
     extras = {name: value for name, value in extras.items() if name in targets}
-    params = [targets[name] for name in extras if isinstance(targets[name], torch.nn.Parameter)]
+    # every rank copies the same values in; a pipeline stage's copy of a tied weight is whole on every rank
+    params = [targets[name] for name in extras
+              if isinstance(targets[name], torch.nn.Parameter) and not reduced_elsewhere(targets[name])]
     with GatheredParameters(params, modifier_rank=0):
         for name, value in extras.items():
             target = targets[name]

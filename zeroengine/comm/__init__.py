@@ -24,7 +24,10 @@ from .collectives import (
     broadcast,
     collective_context,
     control_all_gather,
+    isend,
+    recv,
     reduce_scatter,
+    wait_all,
 )
 from .counters import CommCounters, counters, ring_wire_bytes
 from .groups import host_group
@@ -35,6 +38,6 @@ __all__ = [
     "all_gather", "all_reduce", "all_reduce_scalar", "all_reduce_value", "all_to_all_single", "barrier", "broadcast",
     "collective_context", "CollectiveError", "control_all_gather", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
     "device_for_backend", "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in",
-    "get_world_size", "handshakes", "host_group", "HandshakeTimeout", "init_distributed", "reduce_scatter", "ReduceOp",
-    "ring_wire_bytes", "sequence_check_active", "sequence_check_requested", "shutdown"
+    "get_world_size", "handshakes", "host_group", "HandshakeTimeout", "init_distributed", "isend", "recv", "reduce_scatter", "ReduceOp",
+    "ring_wire_bytes", "sequence_check_active", "sequence_check_requested", "shutdown", "wait_all"
 ]

@@ -239,3 +239,30 @@ def control_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None
         dist.all_to_all_single(output, input.reshape(1, -1).expand(world, -1).contiguous(), group=group)
     else:
         _all_gather_flat(output, input, group=group)
+
+
+# -- point to point (pipeline parallelism's activations and their gradients) -----------------------------------
+# Counted like the collectives (wire bytes: what this rank sends) but outside the sequence check: a send has one
+# partner, and the pipeline schedule, not the call order on every rank, decides what matches it. Sends are
+# asynchronous: a schedule that blocked in a send while its partner blocked in its own send the other way
+# (1F1B's steady state) would deadlock; so a send returns a handle to wait on later, and a receive blocks.
+
+def isend(tensor: torch.Tensor, dst: int, group=None):
+    """Start sending ``tensor`` to global rank ``dst``; leave ``tensor`` unchanged until the handle's ``wait``."""
+    size = _nbytes(tensor)
+    counters.record("send", size, float(size))
+    return _call("send", size, group, lambda: dist.isend(tensor, dst=dst, group=group), async_op=True)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Receive into ``tensor`` from global rank ``src`` (blocks until it has arrived)."""
+    size = _nbytes(tensor)
+    counters.record("recv", size, 0.0)
+    _call("recv", size, group, lambda: dist.irecv(tensor, src=src, group=group), async_op=False)
+
+
+def wait_all(handles: list) -> None:
+    """Wait for every handle in ``handles`` (sends in flight), then empty the list."""
+    for handle in handles:
+        handle.wait()
+    handles.clear()

@@ -19,6 +19,7 @@ from .sections.compile import CompileConfig
 from .sections.expert_parallel import ExpertParallelConfig
 from .sections.monitor import MonitorConfig
 from .sections.optimizer import OptimizerConfig
+from .sections.pipeline import PipelineConfig
 from .sections.precision import BF16Config, FP16Config
 from .sections.scheduler import SchedulerConfig
 from .sections.zero import ZeroConfig
@@ -67,6 +68,8 @@ class ZeroEngineConfig(ConfigModel):
     expert_parallel: ExpertParallelConfig = Field(
         default_factory=ExpertParallelConfig,
         description="AutoEP: expert parallelism for Hugging Face MoE models (see 'expert_parallel').")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="Pipeline parallelism for a PipelineModule (see 'pipeline').")
     zero_allow_untested_optimizer: bool = Field(
         False, description="Allow a client optimizer other than Adam/AdamW/SGD/CPUAdam with ZeRO stages 1-3.")
     gradient_predivide_factor: PositiveFloat = Field(

@@ -141,17 +141,8 @@ def _weight_quantization_is_off(value: Any) -> bool:
 _AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events",
              "use_gds")
 
-# DeepSpeed's pipeline defaults (runtime/config.py get_pipeline_config); read only for a PipelineModule.
-_PIPELINE_DEFAULTS = {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
-                      "pipe_partitioned": True, "grad_partitioned": True}
-
 def _is_whole_or_null(value: Any) -> bool:
     return value is None or (_is_number(value) and value >= 0 and float(value).is_integer())
-
-
-def _pipeline_is_default(value: Any) -> bool:
-    return _has_only(value, tuple(_PIPELINE_DEFAULTS)) and all(
-        v is None or _is_one_of(v, (_PIPELINE_DEFAULTS[k],)) for k, v in value.items())
 
 
 def _data_types_are_default(value: Any) -> bool:
@@ -210,10 +201,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("memory_breakdown", off_value(False), "memory-usage logging; zeroengine offers "
                     "engine.memory_breakdown() instead"),
         Unsupported("nebula", ENABLED_FALSE, "Azure Nebula checkpoint service"),
-        Unsupported("pipeline", checked("set its values to DeepSpeed's defaults",
-                                        "DeepSpeed's defaults (`stages` \"auto\", `partition` \"best\", ...), "
-                                        "read only for a PipelineModule", _pipeline_is_default),
-                    "pipeline parallelism (deepspeed.pipe.PipelineModule)"),
         Unsupported("progressive_layer_drop", ENABLED_FALSE, "progressive layer dropping"),
         Unsupported("quantize_training", ENABLED_FALSE, "MoQ quantize-aware training"),
         Unsupported("seq_parallel_communication_data_type",

@@ -14,6 +14,7 @@ import torch
 
 from zeroengine import comm
 from zeroengine.config import ConfigError
+from zeroengine.parallel.mesh import ProcessMesh, data_parallel_mesh
 from zeroengine.precision.master_weights import MasterWeights
 
 from . import gather_order, host_memory
@@ -39,7 +40,19 @@ IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
 def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy, loss_scaler,
                          zero_config, gradient_clipping: float, comm_dtype: torch.dtype | None,
-                         allow_untested_optimizer: bool = False) -> ZeroOptimizer:
+                         allow_untested_optimizer: bool = False, mesh: ProcessMesh | None = None) -> ZeroOptimizer:
+    """The ZeRO strategy of ``stage`` over the data-parallel group of ``mesh`` (the whole world by default); under
+    model parallelism the gradient norm also adds up over the mesh's model group."""
+    mesh = mesh or data_parallel_mesh()
+    zero = _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
+                  allow_untested_optimizer, mesh)
+    for part in [zero] + list(getattr(zero, "parts", [])):
+        part.model_parallel, part.model_group = mesh.model_parallel, mesh.model_group
+    return zero
+
+
+def _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
+           allow_untested_optimizer, mesh):
     if stage > 0:
         check_shardable(optimizer, allow_untested_optimizer)
     if stage != 3 and any(is_init_partitioned(p) for p in module.parameters()):
@@ -51,6 +64,9 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
         _check_stage3_experts(module, stepped)
     # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
     domains = split_domains([p for p in reversed(list(module.parameters())) if id(p) in stepped])
+    if domains and mesh.model_parallel:
+        raise ConfigError("expert_parallel", f"MoE layers with tensor or pipeline parallelism ({mesh.describe()}) are "
+                          "not supported yet: expert groups are cut from the whole world")
     if domains:
         if stage == 0:
             return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
@@ -61,13 +77,16 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
         parts = _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping,
                                comm_dtype, domains)
         return ExpertShardedOptimizer(parts, optimizer, policy, loss_scaler, gradient_clipping)
+    data = ParamDomain([], mesh.dp_group, mesh.dp_rank, mesh.dp, mesh.dp)
     if stage == 0:
-        return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype)
+        return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
+                             dp_group=data.group)
     if stage in (1, 2):
         return _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping,
-                              comm_dtype)
+                              comm_dtype, data)
     if stage == 3:
-        return _build_stage3(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype)
+        return _build_stage3(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
+                             data=data)
     raise ConfigError(
         "zero_optimization.stage",
         f"stage {stage} is not available in this build yet (implemented: {IMPLEMENTED_STAGES})",
@@ -120,7 +139,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramet
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None):
+def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None, dp_group=None):
     master_weights = None
     if policy.mixed:
         params = _optimizer_params(optimizer)
@@ -134,16 +153,15 @@ def _build_stage0(module, optimizer, policy, loss_scaler, zero_config, clip, com
                                            reduce_bucket_size=zero_config.reduce_bucket_size, comm_dtype=comm_dtype,
                                            domains=domains)
     return DataParallelOptimizer(module, optimizer, policy, loss_scaler, clip, master_weights,
-                                 reduce_bucket_size=zero_config.reduce_bucket_size, comm_dtype=comm_dtype)
+                                 reduce_bucket_size=zero_config.reduce_bucket_size, comm_dtype=comm_dtype, group=dp_group)
 
 
-def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype):
+def _build_sharded(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, data: ParamDomain):
     # Layout in reverse registration order: roughly the order backward produces
     # gradients, so stage 2's buckets fill (and launch) front to back.
     group_of = trained_group_of(optimizer)
     params = [p for p in reversed(list(module.parameters())) if id(p) in group_of]
-    world = comm.get_world_size()
-    everything = ParamDomain(params, group=None, rank=comm.get_rank(), world=world, divisor=world)
+    everything = dataclasses.replace(data, params=params)
     return _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype,
                           [everything])[0]
 
@@ -175,15 +193,18 @@ def _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, c
     return _one_optimizer_for(optimizer, assembled())
 
 
-def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None):
+def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, comm_dtype, domains=None,
+                  data: ParamDomain | None = None):
     """Stage 3: each domain's trainable parameters (the whole model; or with MoE, the dense ones over the world
     and each expert-data-parallel group's) partitioned in a buffer over its group, frozen ones in a buffer
     over the world, one set of hooks fetching units of all of them."""
     group_of = trained_group_of(optimizer)
     trainable, frozen = split_params(module, set(group_of), int(zero_config.stage3_param_persistence_threshold))
-    rank, world = comm.get_rank(), comm.get_world_size()
+    if data is None:  # (MoE: expert domains, which refuse model parallelism, so data parallel is the world)
+        data = ParamDomain([], None, comm.get_rank(), comm.get_world_size(), comm.get_world_size())
+    rank, world = data.rank, data.world
     if domains is None:
-        domains = [ParamDomain(trainable.params, None, rank, world, world)]
+        domains = [dataclasses.replace(data, params=trainable.params)]
     parts = _stage3_parts(trainable, domains)
     bucket_numel = int(zero_config.reduce_bucket_size)
     if comm.device_for_backend().type == "cpu":  # opt-in: freed memory back to the OS (see host_memory)
@@ -202,7 +223,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
             chunk_source=lambda bucket: source.chunk(_shifted(bucket, offset), policy.param_dtype),
             offload=zero_config.offload_param)
 
-    everyone = ParamDomain([], None, rank, world, world)
+    everyone = data  # frozen parameters: partitioned over the data-parallel group
     if len(parts) == 1:
         sources = [reshard]
     else:  # each domain's chunks cut at its own rank in its group

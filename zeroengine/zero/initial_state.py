@@ -21,13 +21,16 @@ from zeroengine.comm.bucketing import broadcast_in_buckets
 from .init import is_init_partitioned
 
 
-def broadcast_initial_state(module: torch.nn.Module) -> None:
-    if comm.get_world_size() == 1:
+def broadcast_initial_state(module: torch.nn.Module, mesh=None) -> None:
+    """Over ``mesh``'s data-parallel group (the world by default): the ranks holding other pipeline stages or
+    tensor slices hold other parameters."""
+    if comm.get_world_size() == 1 or (mesh is not None and mesh.dp == 1):
         return
+    data = (0, None) if mesh is None or mesh.dp_group is None else (mesh.ranks["data"][0], mesh.dp_group)
     by_source: dict[tuple, list[torch.Tensor]] = {}
     for sub in module.modules():
         params = [p for p in sub.parameters(recurse=False) if not is_init_partitioned(p)]
-        source = _source_of(params)
+        source = _source_of(params, data)
         by_source.setdefault(source, []).extend(p.data for p in params)
         by_source.setdefault(source, []).extend(b for b in sub.buffers(recurse=False) if b is not None)
     # The world broadcast first on every rank; expert groups are disjoint, so their order cannot deadlock.
@@ -36,12 +39,13 @@ def broadcast_initial_state(module: torch.nn.Module) -> None:
         broadcast_in_buckets(unique, src=src, group=group)
 
 
-def _source_of(params: list[torch.Tensor]) -> tuple:
-    """(global source rank, group) for one module's tensors: rank 0 of the world, or of an expert group."""
+def _source_of(params: list[torch.Tensor], data: tuple) -> tuple:
+    """(global source rank, group) for one module's tensors: the first of the data-parallel group ``data``, or of
+    an expert group."""
     from zeroengine.moe.params import expert_groups_of, is_expert_param
 
     for p in params:
         if is_expert_param(p):
             groups = expert_groups_of(p)
             return groups.edp_ranks[0], groups.edp_group
-    return 0, None
+    return data

@@ -26,6 +26,12 @@ from zeroengine.memory import MemoryTally
 from zeroengine.precision.policy import PrecisionPolicy
 
 
+def reduced_elsewhere(p: torch.nn.Parameter) -> bool:
+    """A parameter whose gradient something else hands on (a pipeline stage's copy of a tied weight sends its
+    gradient to the stage that owns and steps it): data-parallel reduction leaves it alone."""
+    return getattr(p, "_ze_reduced_elsewhere", False)
+
+
 def trained_group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """id(parameter) -> its param group, for the parameters the sharded stages step. A frozen parameter in a
     group (``model_parameters=model.parameters()`` with part of the model frozen) is left out, as DeepSpeed
@@ -86,6 +92,11 @@ class ZeroOptimizer:
         self.skip_nonfinite_steps = False
         self.overflow = False  # DeepSpeed's flag: whether the last step was skipped for non-finite gradients
         self.steps_applied = 0  # optimizer steps not skipped (restored by a checkpoint load)
+        # Model parallelism (zeroengine.parallel.mesh): this rank holds one slice of the model, so the global
+        # gradient norm also adds up over the ranks holding the other slices (the mesh's ``model`` group,
+        # None there meaning the world). Set by the factory; overflow follows the norm, so every rank agrees.
+        self.model_parallel = False
+        self.model_group = None
 
     # -- what torch.optim users and LR schedulers reach for ------------------
     @property

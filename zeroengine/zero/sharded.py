@@ -204,8 +204,10 @@ class ShardedOptimizer(ZeroOptimizer):
         return local
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        # Each rank holds a disjoint shard (padding is zero): the squares add up across ranks.
-        return finite_sqrt(comm.all_reduce_value(self.local_grad_norm_sq(), group=self.group))
+        # Each rank holds a disjoint shard (padding is zero): the squares add up across ranks; under model
+        # parallelism every rank's shard is of a different slice, so they add up over the whole world.
+        return finite_sqrt(comm.all_reduce_value(self.local_grad_norm_sq(),
+                                                 group=None if self.model_parallel else self.group))
 
     def _clip_grads(self, grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         if self._fp32_chunk_grads:

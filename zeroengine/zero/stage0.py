@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from zeroengine import comm
 from zeroengine.comm.bucketing import all_reduce_mean_in_buckets
 from zeroengine.memory import MemoryTally
 from zeroengine.precision.master_weights import MasterWeights
 
-from .optimizer import StatePiece, ZeroOptimizer, finite_sqrt
+from .optimizer import StatePiece, ZeroOptimizer, finite_sqrt, reduced_elsewhere
 
 
 class DataParallelOptimizer(ZeroOptimizer):
@@ -33,7 +34,7 @@ class DataParallelOptimizer(ZeroOptimizer):
         self.master_weights = master_weights
         # Every trainable parameter is reduced, like DDP, in a fixed order so
         # all ranks flatten identical buckets.
-        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.trainable = [p for p in module.parameters() if p.requires_grad and not reduced_elsewhere(p)]
         self.reduce_bucket_bytes = int(reduce_bucket_size) * self.trainable[0].element_size() if self.trainable else 0
         self.comm_dtype = comm_dtype
         self.group = group
@@ -60,9 +61,13 @@ class DataParallelOptimizer(ZeroOptimizer):
         return grads
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        # Gradients are already identical on every rank: no communication. A non-finite total is inf (as at
-        # stages 1-3 and in DeepSpeed), also when an overflow made it nan.
-        return finite_sqrt(self.local_norm_sq(grads))
+        # Gradients are already identical on every data-parallel rank: no communication, except over the ranks
+        # holding the model's other slices under model parallelism. A non-finite total is inf (as at stages 1-3
+        # and in DeepSpeed), also when an overflow made it nan.
+        total = self.local_norm_sq(grads)
+        if self.model_parallel:
+            total = comm.all_reduce_value(total, group=self.model_group)
+        return finite_sqrt(total)
 
     def _refresh_model_params(self) -> None:
         if self.master_weights is not None:

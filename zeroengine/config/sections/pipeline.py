@@ -1,0 +1,31 @@
+"""``pipeline``: DeepSpeed's pipeline keys, and the schedule zeroengine runs (zeroengine/pipe).
+
+The model's own :class:`zeroengine.pipe.PipelineModule` arguments decide its stages, partition, seeding and
+activation checkpointing, as in DeepSpeed (whose engine reads only some of these keys); here ``stages``, when
+a number, must agree with the module's ``num_stages``. ``schedule`` is zeroengine's: DeepSpeed runs 1F1B only.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import Field
+
+from ..base import ConfigModel, NonNegativeInt, PositiveInt
+
+
+class PipelineConfig(ConfigModel):
+    """Pipeline parallelism (engine.train_batch) for a zeroengine.pipe.PipelineModule."""
+
+    stages: Union[Literal["auto"], PositiveInt] = Field(
+        "auto", description="Pipeline stages; \"auto\": the PipelineModule's num_stages (a number must equal it).")
+    partition: str = Field("best", description="DeepSpeed's key; the PipelineModule's partition_method decides.")
+    seed_layers: bool = Field(False, description="DeepSpeed's key; the PipelineModule's seed_layers decides.")
+    activation_checkpoint_interval: NonNegativeInt = Field(
+        0, description="DeepSpeed's key; the PipelineModule's activation_checkpoint_interval decides.")
+    pipe_partitioned: bool = Field(True, description="Accepted, no effect: activations are sent whole between stages "
+                                                     "(zeroengine has no tensor-parallel split of them to undo).")
+    grad_partitioned: bool = Field(True, description="Accepted, no effect (as pipe_partitioned).")
+    schedule: Literal["1f1b", "gpipe"] = Field(
+        "1f1b", description="The micro-batch order: \"1f1b\" (one forward, one backward: a stage holds at most "
+                            "as many micro-batches as stages follow it) or \"gpipe\" (all forwards, then all "
+                            "backwards: a stage holds every micro-batch). Both idle (p-1)/(m+p-1) of a step.")

@@ -1,0 +1,201 @@
+"""The process mesh: which ranks share data, tensor and pipeline work, made in one place.
+
+A world of W ranks is laid out as pipeline × data × tensor (W = pp · dp · tp), tensor fastest, as
+Megatron-LM and DeepSpeed's ``PipeModelDataParallelTopology`` number them:
+
+    rank = pipe_index · (dp · tp) + data_index · tp + tensor_index
+
+so the tensor-parallel ranks of a layer (the most talkative: two all-reduces per block) are neighbours,
+which the launcher places on one node, and a pipeline stage's data-parallel replicas follow one another.
+
+Groups (each a :func:`zeroengine.comm.groups.new_group`, made on every rank in the same order):
+
+* ``data``: the ranks holding the same model slice (same pipe and tensor index). ZeRO partitions and
+  reduces over this group only.
+* ``tensor``: the ranks splitting one stage's layers (same pipe and data index).
+* ``pipe``: the ranks holding one replica's stages in order (same data and tensor index); activations
+  travel between neighbours in it.
+* ``model``: tensor × pipe for one data index: together they hold the whole model once, so the global
+  gradient norm of replicated (stage 0) gradients is a sum over it.
+
+An axis spanning the whole world is the world group (``None``), so a pure data-parallel mesh changes
+nothing for the code that ran before meshes existed; an axis of size 1 other than ``data`` has no group
+(``None`` too: nothing is ever sent over it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from zeroengine import comm
+from zeroengine.comm.groups import new_group
+
+AXES = ("pipe", "data", "tensor")
+
+
+@dataclass(frozen=True)
+class ProcessMesh:
+    pp: int
+    dp: int
+    tp: int
+    rank: int  # this process's global rank
+    groups: dict = field(default_factory=dict, compare=False, repr=False)  # axis -> group (None: the world)
+    ranks: dict = field(default_factory=dict, compare=False, repr=False)  # axis -> this rank's group, in order
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
+        """(pipe, data, tensor) index of ``rank`` (this rank by default)."""
+        rank = self.rank if rank is None else rank
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank_at(self, pipe: int, data: int, tensor: int) -> int:
+        return (pipe * self.dp + data) * self.tp + tensor
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords()[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords()[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords()[2]
+
+    @property
+    def dp_group(self):
+        return self.groups.get("data")
+
+    @property
+    def tp_group(self):
+        return self.groups.get("tensor")
+
+    @property
+    def pp_group(self):
+        return self.groups.get("pipe")
+
+    @property
+    def model_group(self):
+        """tensor × pipe at this data index; None when the model is not split (nothing to sum over)."""
+        return self.groups.get("model")
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.pp * self.tp > 1
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank holding pipeline stage ``stage`` of this rank's replica and tensor slice."""
+        _, data, tensor = self.coords()
+        return self.rank_at(stage, data, tensor)
+
+    def describe(self) -> str:
+        return f"pp={self.pp} × dp={self.dp} × tp={self.tp} (rank {self.rank}: pipe {self.pp_rank}, " \
+               f"data {self.dp_rank}, tensor {self.tp_rank})"
+
+
+def _axis_members(pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
+    """Every group of each axis, as lists of global ranks (the same on every rank)."""
+    def rank(p, d, t):
+        return (p * dp + d) * tp + t
+    return {
+        "data": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "tensor": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "pipe": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "model": [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
+    }
+
+
+_CACHE: dict[tuple, ProcessMesh] = {}
+
+
+def _world_key():
+    # A re-initialised default group (tests) invalidates the cached groups.
+    return id(dist.distributed_c10d._get_default_group()) if dist.is_initialized() else None
+
+
+def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh") -> ProcessMesh:
+    """The mesh of this world for ``pp`` pipeline stages and ``tp``-way tensor parallelism (data parallel gets
+    the rest). Collective on first use of a shape (its groups are created then); cached afterwards."""
+    world, rank = comm.get_world_size(), comm.get_rank()
+    for name, size in (("pipeline stages", pp), ("tensor-parallel size", tp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{what}: the {name} must be a positive integer, got {size!r}")
+    if world % (pp * tp):
+        raise ValueError(f"{what}: the world of {world} ranks cannot be split into {pp} pipeline stage(s) × "
+                         f"{tp}-way tensor parallelism (pp · tp = {pp * tp} must divide the world size); launch a "
+                         f"multiple of {pp * tp} ranks")
+    dp = world // (pp * tp)
+    key = (pp, dp, tp, _world_key())
+    if key in _CACHE:
+        return _CACHE[key]
+    groups, ranks = {}, {}
+    for axis, members in _axis_members(pp, dp, tp).items():
+        mine = next(m for m in members if rank in m)
+        ranks[axis] = tuple(mine)
+        if len(mine) == world:
+            groups[axis] = None  # the world itself
+            continue
+        if axis != "data" and len(mine) == 1:
+            groups[axis] = None  # an axis of size 1 carries no communication (ZeRO's data group always does)
+            continue
+        for m in members:  # every rank creates every group, in the same order (torch.distributed's rule)
+            group = new_group(m) if dist.is_initialized() else None
+            if m is mine:
+                groups[axis] = group
+    mesh = ProcessMesh(pp, dp, tp, rank, groups, ranks)
+    _CACHE[key] = mesh
+    return mesh
+
+
+def mesh_from_mpu(mpu, pp: int = 1) -> ProcessMesh:
+    """A mesh whose data-parallel group is a Megatron-style ``mpu``'s (``get_data_parallel_group()`` and
+    friends, as Megatron-DeepSpeed passes to ``initialize(mpu=...)``): the user's groups are used as given."""
+    def size(*names):
+        for name in names:
+            if hasattr(mpu, name):
+                return int(getattr(mpu, name)())
+        return 1
+    missing = [n for n in ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank")
+               if not hasattr(mpu, n)]
+    if missing:
+        raise ValueError(f"initialize(mpu=...): the mpu lacks {', '.join(missing)} (a Megatron-style model-parallel "
+                         "unit provides get_data_parallel_group/_rank/_world_size)")
+    tp = size("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
+    pp = size("get_pipeline_model_parallel_world_size") if pp == 1 else pp
+    dp = int(mpu.get_data_parallel_world_size())
+    world = comm.get_world_size()
+    if dp * tp * pp != world:
+        raise ValueError(f"initialize(mpu=...): data ({dp}) × tensor ({tp}) × pipeline ({pp}) parallel sizes give "
+                         f"{dp * tp * pp} ranks, but the world has {world}")
+    rank = comm.get_rank()
+    dp_group = mpu.get_data_parallel_group()
+    groups = {"data": None if dp == world else dp_group}
+    if hasattr(mpu, "get_model_parallel_group") and tp * pp > 1:
+        groups["model"] = mpu.get_model_parallel_group()
+    for axis, getter in (("tensor", "get_tensor_model_parallel_group"), ("pipe", "get_pipeline_model_parallel_group")):
+        if hasattr(mpu, getter):
+            groups[axis] = getattr(mpu, getter)()
+    ranks = {"data": tuple(dist.get_process_group_ranks(dp_group)) if dist.is_initialized() and dp < world
+             else tuple(range(world))}
+    return _MpuMesh(pp, dp, tp, rank, groups, ranks, int(mpu.get_data_parallel_rank()))
+
+
+@dataclass(frozen=True)
+class _MpuMesh(ProcessMesh):
+    """The user's groups, whose rank numbering need not follow :data:`AXES`: the data rank is the mpu's."""
+
+    mpu_dp_rank: int = 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mpu_dp_rank
+
+
+def data_parallel_mesh() -> ProcessMesh:
+    """The plain mesh: every rank is a data-parallel replica of the whole model."""
+    return build_mesh(1, 1)

@@ -1,0 +1,296 @@
+"""The pipeline engine: ``train_batch`` runs one optimizer step's micro-batches through the stages.
+
+One call is one step of ``gradient_accumulation_steps`` micro-batches (DeepSpeed's rule: the micro-batches
+of a step are what fills the pipeline). The first and the last stage each read every micro-batch from the
+data iterator, ``(inputs, labels)``: the first feeds ``inputs`` to its layers, the last gives its output and
+``labels`` to ``loss_fn``. In between, stages exchange activations forward and their gradients backward
+(:mod:`.link`) in the configured schedule's order (:mod:`.schedule`). Gradients accumulate over the
+micro-batches; the last backward is the accumulation boundary, where the data-parallel reduction of the
+ZeRO stage runs (and the tied weights' gradients meet at their owner first). The step then runs as
+``engine.step()`` would, its gradient norm summed over every stage.
+"""
+from __future__ import annotations
+
+import torch
+
+from zeroengine import comm
+from zeroengine.engine import Engine
+from zeroengine.zero.grad_stores import engine_backward
+
+from .link import StageLink, as_tuple, needs_grad
+from .schedule import schedule_for
+
+_ONLY_BATCHES = ("engine.{}() is not available for a PipelineModule: its layers are spread over the pipeline "
+                 "stages, so a step is one engine.train_batch(data_iter) (forward, backward and step of every "
+                 "micro-batch), and evaluation engine.eval_batch(data_iter) (DeepSpeed's PipelineEngine rule)")
+
+
+class PipelineEngine(Engine):
+    def __init__(self, *args, schedule: str = "1f1b", **kwargs):
+        super().__init__(*args, **kwargs)
+        mesh = self.mesh
+        self.schedule = schedule
+        self.stage_id, self.num_stages = mesh.pp_rank, mesh.pp
+        prev_rank = mesh.stage_rank(self.stage_id - 1) if self.stage_id > 0 else None
+        next_rank = mesh.stage_rank(self.stage_id + 1) if self.stage_id < self.num_stages - 1 else None
+        self.link = StageLink(prev_rank, next_rank, self.device)
+        self.data_iterator = None
+        self.training_dataloader = None
+        # What the last train_batch held: the most micro-batches with activations alive at once, and (when
+        # measure_activations is set) the most bytes autograd saved for backward at once.
+        self.measure_activations = False
+        self.pipe_stats = {"max_in_flight": 0, "peak_saved_bytes": 0}
+
+    # -- DeepSpeed's pipeline accessors ---------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    @property
+    def micro_batches(self) -> int:
+        return self.gradient_accumulation_steps()
+
+    def set_dataiterator(self, iterator) -> None:
+        self.data_iterator = iterator
+
+    # -- the per-micro-batch API is not this engine's ---------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(_ONLY_BATCHES.format("forward"))
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError(_ONLY_BATCHES.format("backward"))
+
+    def step(self, *args, **kwargs):
+        raise RuntimeError(_ONLY_BATCHES.format("step"))
+
+    # -- a step -----------------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """Forward, backward and step of one batch (``gradient_accumulation_steps`` micro-batches); returns the
+        mean loss over its micro-batches and data-parallel replicas, on every stage (collective)."""
+        self._refuse_if_destroyed("train_batch")
+        self.module.train()
+        data = self._iterator(data_iter)
+        order = schedule_for(self.schedule, self.stage_id, self.num_stages, self.micro_batches)
+        run = _MicroBatches(self, data, train=True)
+        backwards = 0
+        try:
+            with _SavedBytes(self.measure_activations, self.module) as saved:
+                for op, i in order:
+                    if op == "F":
+                        run.forward(i)
+                    else:
+                        backwards += 1
+                        run.backward(i, boundary=backwards == self.micro_batches)
+            self.link.finish()
+        except BaseException:
+            self.optimizer.zero_grad()
+            raise
+        self.pipe_stats = {"max_in_flight": run.peak_in_flight, "peak_saved_bytes": saved.peak}
+        loss = self._agreed_loss(run.losses)
+        self._meter.add_loss(loss, for_step=self.monitor is not None)
+        self.micro_steps += self.micro_batches
+        self._step_applied = False
+        self._take_optimizer_step()
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", num_micro_batches: int | None = None):
+        """Forward only, over ``num_micro_batches`` (default: gradient_accumulation_steps) micro-batches; returns
+        their mean loss on every stage (``reduce_output=None``: the list of losses), and with ``return_logits``
+        also the last stage's outputs (None on the others)."""
+        self._refuse_if_destroyed("eval_batch")
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        was_training = self.module.training
+        self.module.eval()
+        run = _MicroBatches(self, self._iterator(data_iter), train=False, compute_loss=compute_loss)
+        try:
+            for i in range(num_micro_batches or self.micro_batches):
+                run.forward(i)
+            self.link.finish()
+        finally:
+            self.module.train(was_training)
+        logits = run.outputs if return_logits and self.is_last_stage() else None
+        if not compute_loss:
+            return logits if return_logits else None
+        if reduce_output is None:
+            losses = [self._agreed_loss([loss]) for loss in run.losses] if self.is_last_stage() else None
+            result = losses
+        else:
+            result = self._agreed_loss(run.losses)
+        return (result, logits) if return_logits else result
+
+    def _iterator(self, data_iter):
+        if data_iter is not None:
+            return data_iter
+        if self.data_iterator is None and self.training_dataloader is not None:
+            self.data_iterator = _repeat(self.training_dataloader)
+        if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
+            raise ValueError("train_batch/eval_batch: give data_iter (an iterator of (inputs, labels) micro-batches), "
+                             "or pass training_data to zeroengine.initialize")
+        return self.data_iterator
+
+    def _agreed_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses over data-parallel replicas, sent to every stage."""
+        mesh = self.mesh
+        if self.is_last_stage():
+            mean = torch.stack([loss.detach().float() for loss in losses]).mean().to(self.device)
+        else:
+            mean = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and mesh.dp > 1:
+            mean = comm.all_reduce_value(mean, group=mesh.dp_group) / mesh.dp
+        if self.num_stages > 1:
+            mean = mean.reshape(1).clone()
+            comm.broadcast(mean, src=mesh.stage_rank(self.num_stages - 1), group=mesh.pp_group)
+            mean = mean[0]
+        return mean
+
+    def _after_optimizer_step(self, result) -> None:
+        if result.applied:
+            self.module.sync_tied_weights()  # the owners stepped; the other stages' copies take their values
+
+
+class _MicroBatches:
+    """One train_batch's (or eval_batch's) micro-batches on this stage: what each forward left for its backward."""
+
+    def __init__(self, engine: PipelineEngine, data, train: bool, compute_loss: bool = True):
+        self.engine, self.data, self.train, self.compute_loss = engine, data, train, compute_loss
+        self.inputs: dict[int, object] = {}
+        self.outputs_of: dict[int, object] = {}
+        self.losses: list[torch.Tensor] = []
+        self.outputs: list = []  # eval_batch's last-stage outputs
+        self.live = self.peak_in_flight = 0
+
+    def _next_batch(self, i: int):
+        try:
+            batch = next(self.data)
+        except StopIteration:
+            raise ValueError(f"the data iterator ran out at micro-batch {i} of the step (a step takes "
+                             f"{self.engine.micro_batches} micro-batches; wrap a finite loader with "
+                             "itertools.cycle or RepeatingLoader)") from None
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError(f"a pipeline micro-batch must be a pair (inputs, labels), got {type(batch).__name__}"
+                             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        return batch
+
+    def _to_device(self, x, cast: bool):
+        engine = self.engine
+        if isinstance(x, (tuple, list)):
+            return tuple(self._to_device(t, cast) for t in x)
+        if isinstance(x, torch.Tensor):
+            x = x.to(engine.device)
+            return engine.policy.cast_input(x) if cast else x
+        return x
+
+    def forward(self, i: int) -> None:
+        engine = self.engine
+        module = engine.module
+        first, last = engine.is_first_stage(), engine.is_last_stage()
+        batch = self._next_batch(i) if first or last else None
+        if first:
+            inputs = self._to_device(batch[0], cast=True)
+        else:
+            inputs = engine.link.recv_activations()
+        outputs = module(inputs)
+        if not last:
+            engine.link.send_activations(outputs)
+            if self.train:
+                self.inputs[i], self.outputs_of[i] = inputs, outputs
+        else:
+            if not self.train:
+                self.outputs.append(outputs)
+            if self.compute_loss:
+                labels = self._to_device(batch[1], cast=False)
+                loss = module.loss_fn(outputs, labels) if module.loss_fn is not None else outputs
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                    raise ValueError("the last pipeline stage must produce a scalar loss: give PipelineModule a "
+                                     "loss_fn(outputs, labels), or make the last layer return the loss")
+                self.losses.append(loss)
+                if self.train:
+                    self.inputs[i] = inputs
+        if self.train:
+            self.live += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.live)
+
+    def backward(self, i: int, boundary: bool) -> None:
+        engine = self.engine
+        optimizer = engine.optimizer
+        optimizer.begin_backward(boundary)
+        try:
+            with engine_backward():
+                if engine.is_last_stage():
+                    scaled = self.losses[i].float() / engine.micro_batches
+                    if optimizer.loss_scaler is not None:
+                        scaled = scaled * optimizer.loss_scale
+                    scaled.backward()
+                else:
+                    stage_outputs = self.outputs_of.pop(i)
+                    grads = engine.link.recv_grads(stage_outputs)
+                    outputs = [t for t in as_tuple(stage_outputs) if needs_grad(t)]
+                    if outputs:
+                        torch.autograd.backward(outputs, grads)
+            inputs = self.inputs.pop(i)
+            if not engine.is_first_stage():
+                engine.link.send_grads(inputs)
+            if engine.is_last_stage():
+                self.losses[i] = self.losses[i].detach()  # its graph is spent
+            if boundary:
+                engine.module.reduce_tied_grads()
+        except BaseException:
+            optimizer.cancel_backward()
+            raise
+        optimizer.finish_backward(boundary)
+        engine._backward_since_step = False
+        self.live -= 1
+
+
+class _SavedBytes:
+    """With ``enabled``: the most activation bytes autograd held saved for backward at once (pack/unpack hooks;
+    the parameters it saves, e.g. a linear layer's weight, are not activations and not counted)."""
+
+    def __init__(self, enabled: bool, module: torch.nn.Module):
+        self.enabled, self.live, self.peak = enabled, 0, 0
+        self._hooks = None
+        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()} if enabled else set()
+
+    def __enter__(self):
+        if self.enabled:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in self._param_storages:
+            return _Counted(t, 0, self)
+        size = t.numel() * t.element_size()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        return _Counted(t, size, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor
+
+
+class _Counted:
+    """A saved tensor, counted until autograd frees it."""
+
+    __slots__ = ("tensor", "size", "owner")
+
+    def __init__(self, tensor, size, owner):
+        self.tensor, self.size, self.owner = tensor, size, owner
+
+    def __del__(self):
+        self.owner.live -= self.size
+
+
+def _repeat(loader):
+    while True:
+        yield from loader
