@@ -11,6 +11,8 @@ ZeRO stage runs (and the tied weights' gradients meet at their owner first). The
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from zeroengine import comm
@@ -36,10 +38,12 @@ class PipelineEngine(Engine):
         self.link = StageLink(prev_rank, next_rank, self.device)
         self.data_iterator = None
         self.training_dataloader = None
-        # What the last train_batch held: the most micro-batches with activations alive at once, and (when
-        # measure_activations is set) the most bytes autograd saved for backward at once.
+        # What the last train_batch held and took: the most micro-batches with activations alive at once; (when
+        # measure_activations is set) the most activation bytes autograd saved for backward at once; the
+        # seconds its forward and backward passes took in all (schedule_s, before the optimizer step), and
+        # of them the seconds spent blocked in receives (recv_wait_s: the bubble, plus transfer time).
         self.measure_activations = False
-        self.pipe_stats = {"max_in_flight": 0, "peak_saved_bytes": 0}
+        self.pipe_stats = {"max_in_flight": 0, "peak_saved_bytes": 0, "schedule_s": 0.0, "recv_wait_s": 0.0}
 
     # -- DeepSpeed's pipeline accessors ---------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -75,6 +79,7 @@ class PipelineEngine(Engine):
         order = schedule_for(self.schedule, self.stage_id, self.num_stages, self.micro_batches)
         run = _MicroBatches(self, data, train=True)
         backwards = 0
+        self.link.wait_s, start = 0.0, time.perf_counter()
         try:
             with _SavedBytes(self.measure_activations, self.module) as saved:
                 for op, i in order:
@@ -87,7 +92,8 @@ class PipelineEngine(Engine):
         except BaseException:
             self.optimizer.zero_grad()
             raise
-        self.pipe_stats = {"max_in_flight": run.peak_in_flight, "peak_saved_bytes": saved.peak}
+        self.pipe_stats = {"max_in_flight": run.peak_in_flight, "peak_saved_bytes": saved.peak,
+                           "schedule_s": time.perf_counter() - start, "recv_wait_s": self.link.wait_s}
         loss = self._agreed_loss(run.losses)
         self._meter.add_loss(loss, for_step=self.monitor is not None)
         self.micro_steps += self.micro_batches

@@ -8,6 +8,8 @@ point-to-point note); their handles are waited on at the end of the step.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from zeroengine import comm
@@ -30,6 +32,7 @@ class StageLink:
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
         self.sends: list = []  # handles of sends in flight, and the tensors they read
         self._keep: list = []
+        self.wait_s = 0.0  # time spent blocked in receives (the stage idle: the pipeline's bubble, and transfers)
 
     def send_activations(self, outputs) -> None:
         tensors = as_tuple(outputs)
@@ -53,7 +56,7 @@ class StageLink:
 
     def recv_activations(self):
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        comm.recv(header, self.prev_rank)
+        self._recv(header, self.prev_rank)
         values = header.tolist()
         count, at, received = values[0], 1, []
         for _ in range(count):
@@ -61,7 +64,7 @@ class StageLink:
             shape = values[at + 3:at + 3 + ndim]
             at += 3 + ndim
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            comm.recv(t, self.prev_rank)
+            self._recv(t, self.prev_rank)
             received.append(t.requires_grad_() if grad else t)
         return received[0] if count == 1 else tuple(received)
 
@@ -77,9 +80,14 @@ class StageLink:
         for t in as_tuple(outputs):
             if needs_grad(t):
                 g = torch.empty_like(t, memory_format=torch.contiguous_format)
-                comm.recv(g, self.next_rank)
+                self._recv(g, self.next_rank)
                 grads.append(g)
         return grads
+
+    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+        start = time.perf_counter()
+        comm.recv(tensor, src)
+        self.wait_s += time.perf_counter() - start
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         self.sends.append(comm.isend(tensor, dst))
