@@ -64,6 +64,7 @@ class Engine(torch.nn.Module):
         self._log = get_logger()
         self.monitor = None  # a zeroengine.monitor.StepRecorder, set by initialize() when the config enables one
         self.autoep = None  # what expert_parallel (AutoEP) converted: a zeroengine.moe.autoep.Conversion, or None
+        self.autotp = None  # what tensor_parallel (AutoTP) split: a zeroengine.tensor_parallel.autotp.AutoTPResult
         self._destroyed = False
         self._compiled = False
 

@@ -10,18 +10,19 @@ import torch
 
 from zeroengine import comm
 from zeroengine.activation_checkpointing.config import configure_from_initialize as configure_checkpointing
-from zeroengine.config import ConfigError, load_config
+from zeroengine.config import ConfigError, load_config, read_config_file
 from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine
 from zeroengine.monitor import build_recorder
 from zeroengine.optim.factory import build_optimizer
 from zeroengine.optim.schedulers import ScheduleParamError, build_scheduler
-from zeroengine.parallel.mesh import ProcessMesh, data_parallel_mesh, mesh_from_mpu
+from zeroengine.parallel.mesh import ProcessMesh, build_mesh, mesh_from_mpu
 from zeroengine.pipe.engine import PipelineEngine
 from zeroengine.pipe.module import PipelineModule
 from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
 from zeroengine.progress import set_log_level
+from zeroengine.tensor_parallel.layers import split_of
 from zeroengine.zero.factory import build_zero_optimizer
 from zeroengine.zero.initial_state import broadcast_initial_state
 from zeroengine.zero.optimizer import reduced_elsewhere
@@ -111,9 +112,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("<config>", "no config given: pass config=<path or dict>, or --zeroengine_config on args")
     if dist_init_required is not False:
         comm.init_distributed()
-    mesh = _mesh_for(model, mpu)
+    mesh = _mesh_for(model, mpu, _requested_tp(config))
     cfg = load_config(config, world_size=mesh.dp, hidden_size=_hidden_size_of(model))
     _check_pipeline_config(cfg, model)
+    _check_tensor_parallel_config(cfg, mesh)
     set_log_level(cfg.log_level)
     compiled = "torch._dynamo" in sys.modules and (  # (no compiled model without it)
         isinstance(model, torch._dynamo.eval_frame.OptimizedModule)  # torch.compile(model)
@@ -131,6 +133,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     policy = PrecisionPolicy(cfg.precision_dtype, auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
     device = comm.device_for_backend()
     model.to(device)
+    tensor_parallel = _split_tensors(cfg, model, mesh)
     # every data-parallel replica starts from the first replica's weights, as under DeepSpeed and DDP
     broadcast_initial_state(model, mesh)
     if isinstance(model, PipelineModule):
@@ -162,6 +165,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine = Engine(model, zero_optimizer, cfg, policy, lr_scheduler=scheduler, local_rank=local_rank, mesh=mesh)
     engine.monitor = build_recorder(cfg.monitor, comm.get_rank())
     engine.autoep = autoep
+    engine.autotp = tensor_parallel
     if cfg.compile.enabled:
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     loader = None
@@ -173,9 +177,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return engine, zero_optimizer, loader, scheduler
 
 
-def _mesh_for(model, mpu) -> ProcessMesh:
-    """The process mesh: a PipelineModule's (made when it was built), a Megatron-style mpu's groups, or every rank
-    a data-parallel replica."""
+def _mesh_for(model, mpu, tp: int) -> ProcessMesh:
+    """The process mesh: a PipelineModule's (made when it was built), a Megatron-style mpu's groups, the
+    config's tensor-parallel size, or every rank a data-parallel replica."""
     if isinstance(model, PipelineModule):
         if mpu is not None:
             raise ValueError("initialize(mpu=...) with a PipelineModule: the module made its own pipeline × data "
@@ -183,7 +187,58 @@ def _mesh_for(model, mpu) -> ProcessMesh:
         return model.mesh
     if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
         return mesh_from_mpu(mpu)
-    return data_parallel_mesh()
+    try:
+        return build_mesh(pp=1, tp=tp, what="tensor_parallel.autotp_size")
+    except ValueError as error:
+        raise ConfigError("tensor_parallel.autotp_size", str(error).removeprefix("tensor_parallel.autotp_size: "))
+
+
+def _requested_tp(config) -> int:
+    """``tensor_parallel.autotp_size`` (or ``tp.tp_size``) as given, read before the config is resolved: the
+    data-parallel size the batch sizes are resolved for depends on it. Checked properly by load_config."""
+    if hasattr(config, "tensor_parallel"):
+        return config.tensor_parallel.size
+    data = config
+    if isinstance(config, (str, os.PathLike)):
+        data = read_config_file(config)
+    section = data.get("tensor_parallel") if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        return 1
+    size = section.get("autotp_size", (section.get("tp") or {}).get("tp_size", 1))
+    return size if isinstance(size, int) and size > 1 else 1
+
+
+def _check_tensor_parallel_config(cfg, mesh: ProcessMesh) -> None:
+    tp = cfg.tensor_parallel.size
+    if tp != mesh.tp and not (tp == 1 and mesh.tp > 1):
+        raise ConfigError("tensor_parallel.autotp_size", f"{tp}, but the model's mesh splits tensors {mesh.tp} ways "
+                          f"({mesh.describe()}); make them agree")
+    if mesh.tp > 1 and cfg.zero_optimization.stage == 3:
+        raise ConfigError("zero_optimization.stage", "stage 3 with tensor parallelism is not supported: use stage 1 "
+                          "or 2 (each rank's tensor slices are already 1/autotp_size of the layer)")
+
+
+def _split_tensors(cfg, model, mesh: ProcessMesh):
+    """Tensor parallelism: the model's layers split across the tensor group (AutoTP), unless the model is built
+    from tensor-parallel layers already (a PipelineModule of them, or a user's own)."""
+    if mesh.tp == 1 or any(split_of(p) is not None for p in model.parameters()):
+        return None
+    from zeroengine.tensor_parallel.autotp import convert
+
+    broadcast_initial_state(model)  # the whole model, the same on every rank, before each keeps its slices
+    try:
+        result = convert(model, mesh.tensor_group)
+    except ValueError as error:
+        raise ConfigError("tensor_parallel.autotp_size", str(error)) from None
+    if result.layers == 0:
+        raise ConfigError("tensor_parallel.autotp_size", f"{mesh.tp}, but the model has no layer AutoTP recognises "
+                          "(GPT-2 or Llama-style attention and MLP blocks); build it from "
+                          "zeroengine.tensor_parallel's ColumnParallelLinear / RowParallelLinear instead")
+    if comm.get_rank() == 0:
+        logging.getLogger("zeroengine").info(
+            f"tensor_parallel: {len(result.attention)} attention and {len(result.mlp)} MLP blocks split {mesh.tp} "
+            f"ways; embeddings {result.embeddings}")
+    return result
 
 
 def _check_pipeline_config(cfg, model) -> None:

@@ -22,6 +22,7 @@ from .sections.optimizer import OptimizerConfig
 from .sections.pipeline import PipelineConfig
 from .sections.precision import BF16Config, FP16Config
 from .sections.scheduler import SchedulerConfig
+from .sections.tensor_parallel import TensorParallelConfig
 from .sections.zero import ZeroConfig
 from .translate import problems_from
 
@@ -70,6 +71,9 @@ class ZeroEngineConfig(ConfigModel):
         description="AutoEP: expert parallelism for Hugging Face MoE models (see 'expert_parallel').")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
                                      description="Pipeline parallelism for a PipelineModule (see 'pipeline').")
+    tensor_parallel: TensorParallelConfig = Field(
+        default_factory=TensorParallelConfig,
+        description="Tensor parallelism (AutoTP) across autotp_size ranks (see 'tensor_parallel').")
     zero_allow_untested_optimizer: bool = Field(
         False, description="Allow a client optimizer other than Adam/AdamW/SGD/CPUAdam with ZeRO stages 1-3.")
     gradient_predivide_factor: PositiveFloat = Field(

@@ -106,21 +106,6 @@ def _leaf_module_is_default(value: Any) -> bool:
     return True
 
 
-# DeepSpeed's TPTrainingConfig keys: all of them are inert while autotp_size <= 1 (no tensor split).
-_TP_KEYS = ("dtype", "autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend",
-            "tp", "tensor_parallel", "injection_policy_tuple", "partition_config", "preset_model",
-            "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject")
-
-
-def _tensor_parallel_is_off(value: Any) -> bool:
-    if not _has_only(value, _TP_KEYS):
-        return False
-    size = value.get("autotp_size", 0)
-    inner = value.get("tp", value.get("tensor_parallel")) or {}
-    return (_is_number(size) and size in (0, 1) and isinstance(inner, dict)
-            and _is_one_of(inner.get("tp_size", 1), (1,)))
-
-
 def _timers_are_valid(value: Any) -> bool:
     # Only the throughput log line; zeroengine's steps_per_print report already carries the rate.
     if not _has_only(value, ("throughput",)):
@@ -211,9 +196,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("sequence_parallel_size", off_value(1), "DeepSpeed-Ulysses sequence parallelism"),
         Unsupported("sparse_attention", EMPTY, "block-sparse attention kernels"),
         Unsupported("sparse_gradients", off_value(False), "sparse embedding gradients"),
-        Unsupported("tensor_parallel", checked("set autotp_size to 0", "`autotp_size` 0 or 1 (and `tp.tp_size` 1)",
-                                               _tensor_parallel_is_off),
-                    "AutoTP tensor parallelism; zeroengine is data (and expert) parallel only"),
         Unsupported("timers", checked("set throughput.enabled/synchronized to true or false",
                                       "`throughput: {enabled, synchronized}`, any booleans (a log line only)",
                                       _timers_are_valid),

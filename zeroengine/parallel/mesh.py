@@ -85,6 +85,13 @@ class ProcessMesh:
         return self.groups.get("model")
 
     @property
+    def tensor_group(self):
+        """The tensor group as the tensor-parallel layers take it (zeroengine.tensor_parallel.ops.TensorGroup)."""
+        from zeroengine.tensor_parallel.ops import TensorGroup
+
+        return TensorGroup(self.tp_group, self.tp, self.tp_rank)
+
+    @property
     def model_parallel(self) -> bool:
         return self.pp * self.tp > 1
 
@@ -132,7 +139,7 @@ def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh") -> ProcessMesh:
     dp = world // (pp * tp)
     key = (pp, dp, tp, _world_key())
     if key in _CACHE:
-        return _CACHE[key]
+        return _made(_CACHE[key])
     groups, ranks = {}, {}
     for axis, members in _axis_members(pp, dp, tp).items():
         mine = next(m for m in members if rank in m)
@@ -149,7 +156,24 @@ def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh") -> ProcessMesh:
                 groups[axis] = group
     mesh = ProcessMesh(pp, dp, tp, rank, groups, ranks)
     _CACHE[key] = mesh
+    return _made(mesh)
+
+
+_CURRENT: dict = {}  # "mesh": the model-parallel mesh made last, "world": the world it belongs to
+
+
+def _made(mesh: ProcessMesh) -> ProcessMesh:
+    if mesh.model_parallel:
+        _CURRENT.update(mesh=mesh, world=_world_key())
     return mesh
+
+
+def current_mesh() -> ProcessMesh:
+    """The model-parallel mesh made last in this world (the one tensor-parallel layers built without a group
+    use), else the plain data-parallel one."""
+    if "mesh" in _CURRENT and _CURRENT["world"] == _world_key():
+        return _CURRENT["mesh"]
+    return data_parallel_mesh()
 
 
 def mesh_from_mpu(mpu, pp: int = 1) -> ProcessMesh:

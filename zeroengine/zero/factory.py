@@ -16,6 +16,7 @@ from zeroengine import comm
 from zeroengine.config import ConfigError
 from zeroengine.parallel.mesh import ProcessMesh, data_parallel_mesh
 from zeroengine.precision.master_weights import MasterWeights
+from zeroengine.tensor_parallel.layers import split_of
 
 from . import gather_order, host_memory
 from .blocks import find_blocks
@@ -46,8 +47,12 @@ def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.o
     mesh = mesh or data_parallel_mesh()
     zero = _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
                   allow_untested_optimizer, mesh)
+    # tensor parallelism: what every tensor rank holds alike counts in the norm once, on the first tensor rank
+    replicated = {id(p) for p in module.parameters() if split_of(p) is None} if mesh.tp_rank > 0 else set()
     for part in [zero] + list(getattr(zero, "parts", [])):
         part.model_parallel, part.model_group = mesh.model_parallel, mesh.model_group
+        if replicated:
+            part.set_norm_skip(replicated)
     return zero
 
 

@@ -97,6 +97,13 @@ class ZeroOptimizer:
         # None there meaning the world). Set by the factory; overflow follows the norm, so every rank agrees.
         self.model_parallel = False
         self.model_group = None
+        # Parameters every tensor-parallel rank holds alike (norms, a row-parallel bias): their gradient counts
+        # in the norm on the first tensor rank only (set_norm_skip on the others).
+        self.norm_skip: set[int] = set()
+
+    def set_norm_skip(self, param_ids: set[int]) -> None:
+        """Leave these parameters' gradients out of this rank's share of the global norm."""
+        self.norm_skip = set(param_ids)
 
     # -- what torch.optim users and LR schedulers reach for ------------------
     @property

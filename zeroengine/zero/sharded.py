@@ -194,13 +194,38 @@ class ShardedOptimizer(ZeroOptimizer):
         self._fp32_chunk_grads = grads
         return grads + self._host_grads
 
+    def set_norm_skip(self, param_ids: set[int]) -> None:
+        super().set_norm_skip(param_ids)
+        # bucket index -> (start, numel) of the chunk's pieces that do count, for buckets holding a skipped one
+        self._counted_ranges = {}
+        for bucket in self.layout.buckets:
+            pieces = bucket.pieces_in_chunk(self.rank)
+            if any(id(self.flat_params.params[w.slot.index]) in self.norm_skip for w in pieces):
+                self._counted_ranges[bucket.index] = [
+                    (w.chunk_start, w.numel) for w in pieces
+                    if id(self.flat_params.params[w.slot.index]) not in self.norm_skip]
+
+    def _counted(self, bucket_indices: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` (chunks of the buckets ``bucket_indices``) without the skipped parameters' pieces."""
+        ranges = getattr(self, "_counted_ranges", None)
+        if not ranges:
+            return grads
+        out = []
+        for b, g in zip(bucket_indices, grads):
+            out.extend([g[s:s + n] for s, n in ranges[b]] if b in ranges else [g])
+        return out
+
     def local_grad_norm_sq(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm, as if every gradient were unscaled (a 0-dim
         float64 tensor on the device the gradients were reduced on)."""
         device = self.grad_store.chunk_grads[0].device if self.grad_store.chunk_grads else None
-        local = self.local_norm_sq(self._fp32_chunk_grads, device)
+        resident = [b for b in range(len(self.layout.buckets)) if not self.on_host(b)]
+        local = self.local_norm_sq(self._counted(resident, self._fp32_chunk_grads), device)
         if self._host_grads:  # unscaled by the factor squared: exact for the dynamic scaler's powers of two
-            local = local + self.local_norm_sq(self._host_grads).to(local.device) * self._inv_scale ** 2
+            host = [b for b in range(len(self.layout.buckets))
+                    if self.on_host(b) and self.grad_store.chunk_grads[b] is not None]
+            local = local + self.local_norm_sq(self._counted(host, self._host_grads)).to(local.device) \
+                * self._inv_scale ** 2
         return local
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:

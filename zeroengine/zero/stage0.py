@@ -64,10 +64,20 @@ class DataParallelOptimizer(ZeroOptimizer):
         # Gradients are already identical on every data-parallel rank: no communication, except over the ranks
         # holding the model's other slices under model parallelism. A non-finite total is inf (as at stages 1-3
         # and in DeepSpeed), also when an overflow made it nan.
+        if self.norm_skip:
+            grads = self._counted_grads()
         total = self.local_norm_sq(grads)
         if self.model_parallel:
             total = comm.all_reduce_value(total, group=self.model_group)
         return finite_sqrt(total)
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """The (unscaled) gradients of the stepped parameters not in ``norm_skip``."""
+        if self.master_weights is not None:
+            pairs = zip(self.master_weights.model_params, self.master_weights.masters)
+        else:
+            pairs = ((p, p) for g in self.optimizer.param_groups for p in g["params"])
+        return [stepped.grad for p, stepped in pairs if stepped.grad is not None and id(p) not in self.norm_skip]
 
     def _refresh_model_params(self) -> None:
         if self.master_weights is not None:

@@ -1,0 +1,117 @@
+"""AutoTP: split a Hugging Face-style transformer's layers across the tensor group (``tensor_parallel.autotp_size``).
+
+Recognised by structure, not by model name (so Mistral, Qwen2 and their relatives are covered with Llama):
+
+* GPT-2 attention (``c_attn`` + ``c_proj`` Conv1D): the fused query-key-value matrix column-parallel in three
+  blocks (each rank keeps whole heads of all three), the output projection row-parallel; the module's head
+  count and split size are divided so its reshapes see this rank's heads. GPT-2's MLP (``c_fc`` + ``c_proj``):
+  column- then row-parallel.
+* Llama-style attention (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``): the three projections column-parallel
+  by heads (key-value heads too, so grouped-query attention keeps its grouping), ``o_proj`` row-parallel.
+  Llama-style MLP (``gate_proj``, ``up_proj``, ``down_proj``): column, column, row.
+* The input embedding vocabulary-parallel, and the LM head column-parallel by vocabulary with its logits
+  gathered (the model's own loss then sees the whole vocabulary); a head tied to the embedding stays tied to
+  its rows. When the vocabulary does not divide by the tensor size both stay replicated (said in the log).
+
+What is not listed (norms, position embeddings, routers, stacked MoE experts) stays replicated: every tensor
+rank holds it and computes the same gradient for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layers import ParallelLinear, VocabParallelEmbedding
+from .ops import TensorGroup
+
+
+@dataclass
+class AutoTPResult:
+    size: int
+    attention: list[str] = field(default_factory=list)
+    mlp: list[str] = field(default_factory=list)
+    embeddings: str = "replicated"  # "vocab-parallel", or why not
+
+    @property
+    def layers(self) -> int:
+        return len(self.attention) + len(self.mlp)
+
+
+def _is_conv1d(m) -> bool:
+    return type(m).__name__ == "Conv1D" and hasattr(m, "weight") and m.weight.dim() == 2
+
+
+def _linear(m) -> bool:
+    return isinstance(m, torch.nn.Linear)
+
+
+def _column(m, tg, input_major=False, blocks=1, gather=False) -> ParallelLinear:
+    return ParallelLinear(m.weight, m.bias, "column", tg, input_major=input_major, blocks=blocks, gather_output=gather)
+
+
+def _row(m, tg, input_major=False) -> ParallelLinear:
+    return ParallelLinear(m.weight, m.bias, "row", tg, input_major=input_major)
+
+
+def _heads_divide(name: str, heads: int, tg: TensorGroup, what: str) -> None:
+    if heads % tg.size:
+        raise ValueError(f"{name}: {heads} {what} cannot be split across {tg.size} tensor-parallel ranks "
+                         "(autotp_size must divide the number of attention heads and of key-value heads)")
+
+
+def convert(model: torch.nn.Module, tg: TensorGroup) -> AutoTPResult:
+    """Replace ``model``'s recognised layers in place by tensor-parallel ones over ``tg``."""
+    result = AutoTPResult(tg.size)
+    for name, module in list(model.named_modules()):
+        children = dict(module.named_children())
+        if _is_conv1d(children.get("c_attn")) and _is_conv1d(children.get("c_proj")) and hasattr(module, "num_heads"):
+            _heads_divide(name, module.num_heads, tg, "attention heads")
+            module.c_attn = _column(module.c_attn, tg, input_major=True, blocks=3)
+            module.c_proj = _row(module.c_proj, tg, input_major=True)
+            module.num_heads //= tg.size
+            module.split_size //= tg.size
+            module.embed_dim //= tg.size
+            result.attention.append(name)
+        elif _is_conv1d(children.get("c_fc")) and _is_conv1d(children.get("c_proj")):
+            module.c_fc = _column(module.c_fc, tg, input_major=True)
+            module.c_proj = _row(module.c_proj, tg, input_major=True)
+            result.mlp.append(name)
+        elif all(_linear(children.get(k)) for k in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            head_dim = getattr(module, "head_dim", None)
+            if not head_dim:
+                raise ValueError(f"{name}: an attention module without head_dim; tensor parallelism cannot tell "
+                                 "how its projections divide into heads")
+            _heads_divide(name, module.q_proj.out_features // head_dim, tg, "attention heads")
+            _heads_divide(name, module.k_proj.out_features // head_dim, tg, "key-value heads")
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                setattr(module, proj, _column(getattr(module, proj), tg))
+            module.o_proj = _row(module.o_proj, tg)
+            result.attention.append(name)
+        elif all(_linear(children.get(k)) for k in ("gate_proj", "up_proj", "down_proj")):
+            module.gate_proj = _column(module.gate_proj, tg)
+            module.up_proj = _column(module.up_proj, tg)
+            module.down_proj = _row(module.down_proj, tg)
+            result.mlp.append(name)
+    result.embeddings = _convert_embeddings(model, tg)
+    return result
+
+
+def _convert_embeddings(model, tg: TensorGroup) -> str:
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embedding = get_in() if get_in else None
+    head = get_out() if get_out else None
+    if not isinstance(embedding, torch.nn.Embedding):
+        return "replicated (no input embedding found)"
+    vocab = embedding.num_embeddings
+    if vocab % tg.size:
+        return f"replicated (the vocabulary of {vocab} does not divide by {tg.size})"
+    tied = head is not None and head.weight is embedding.weight
+    parallel = VocabParallelEmbedding(embedding.weight, tg, embedding.padding_idx)
+    model.set_input_embeddings(parallel)
+    if isinstance(head, torch.nn.Linear) and head.out_features == vocab:
+        new_head = _column(head, tg, gather=True)
+        if tied:
+            new_head.weight = parallel.weight  # the same rows of the same tensor, as before
+        model.set_output_embeddings(new_head)
+    return "vocab-parallel" + (" (LM head tied)" if tied else "")
