@@ -109,3 +109,70 @@ def reference(steps: int, micro_batches: int, dp: int, clip: float = 1.0, **mode
         opt.step()
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- tensor parallel inside the stages (3D parallelism) -----------------------------------------------------------
+from zeroengine.tensor_parallel import (  # noqa: E402
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+
+class TPBlock(torch.nn.Module):
+    """Block with its MLP split Megatron's way: column-parallel up, row-parallel down (the tensor group of the
+    mesh the PipelineModule was built on)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = ColumnParallelLinear(hidden, 2 * hidden)
+        self.down = RowParallelLinear(2 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TPEmbedding(VocabParallelEmbedding):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__(torch.nn.Embedding(vocab, hidden).weight, None)
+
+
+def tp_head(embedding: TPEmbedding, x):
+    return embedding.as_head(x)
+
+
+def tp_lm_loss(logits, labels):
+    return vocab_parallel_cross_entropy(logits.float(), labels)
+
+
+def tp_layers(blocks: int = 4) -> list:
+    return [TiedLayerSpec("embed", TPEmbedding, VOCAB, HIDDEN)] + [LayerSpec(TPBlock, HIDDEN) for _ in range(blocks)] \
+        + [LayerSpec(torch.nn.LayerNorm, HIDDEN), TiedLayerSpec("embed", TPEmbedding, VOCAB, HIDDEN, forward_fn=tp_head)]
+
+
+def tp_pipe_model(stages: int, tp: int) -> PipelineModule:
+    from zeroengine.parallel import build_mesh
+
+    return PipelineModule(tp_layers(), topology=build_mesh(pp=stages, tp=tp), loss_fn=tp_lm_loss, seed_layers=True,
+                          partition_method="type:TPBlock")
+
+
+def tp_reference(steps: int, micro_batches: int, dp: int, clip: float = 1.0):
+    """The 3D model at one rank (tensor-parallel layers whole), stepped by torch's AdamW on every replica's batch."""
+    model = tp_pipe_model(1, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
+    losses = []
+    for per_rank in batches(steps, micro_batches, dp):
+        opt.zero_grad()
+        total = 0.0
+        for replica in per_rank:
+            for x, y in replica:
+                loss = tp_lm_loss(model(x), y)
+                (loss / (micro_batches * dp)).backward()
+                total += loss.item() / (micro_batches * dp)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

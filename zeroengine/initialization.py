@@ -247,7 +247,7 @@ def _check_pipeline_config(cfg, model) -> None:
         if stages != "auto" and stages != model.num_stages:
             raise ConfigError("pipeline.stages", f"{stages}, but the PipelineModule has num_stages={model.num_stages}; "
                               "set it to \"auto\" or to the module's value")
-        if cfg.zero_optimization.stage > 1:
+        if cfg.zero_optimization.stage > 1 and model.num_stages > 1:
             raise ConfigError("zero_optimization.stage", f"stage {cfg.zero_optimization.stage} with a PipelineModule: "
                               "pipeline parallelism composes with ZeRO stages 0 and 1 (as in DeepSpeed): stage 2 "
                               "would reduce each micro-batch's gradients as backward produces them, and stage 3 "

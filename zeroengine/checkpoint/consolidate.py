@@ -17,6 +17,7 @@ import torch
 from zeroengine.progress import get_logger
 
 from . import manifest as mf
+from . import tensor_split as ts
 from .files import CheckpointError, load_tensors, save_tensors
 
 
@@ -52,14 +53,23 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
 
     out: dict[str, torch.Tensor] = {}
     progress = _Progress(manifest)
-    for name, info in manifest.params.items():
-        numel = math.prod(info["shape"])
-        flat = torch.empty(numel, dtype=dtype)
-        for e in manifest.entries_overlapping(name, 0, numel):
-            flat[e.start:e.end] = opened(e.file)["entries"][e.index]["value"]
-        out[name] = flat.view(info["shape"])
-        progress.advance(numel)
-    extras = opened(mf.COMMON)["module_extras"]
+    for base in dict.fromkeys(ts.base_name(name) for name in manifest.params):  # tensor-parallel pieces merged
+        names = ts.stored_pieces(manifest.params, base)
+        if names is None:
+            raise CheckpointError(f"{manifest.tag_dir}: the tensor-parallel pieces of {base!r} are incomplete")
+        flats = []
+        for name in names:
+            numel = ts.numel(manifest.params, name)
+            flat = torch.empty(numel, dtype=dtype)
+            for e in manifest.entries_overlapping(name, 0, numel):
+                flat[e.start:e.end] = opened(e.file)["entries"][e.index]["value"]
+            flats.append(flat)
+            progress.advance(numel)
+        out[base] = ts.merge(manifest.params, names, flats)
+    extras = dict(opened(mf.COMMON)["module_extras"])
+    for file, info in manifest.data["files"].items():  # later pipeline stages' buffers and frozen parameters
+        if info.get("module_extras"):
+            extras.update(opened(file)["module_extras"])
     for name, value in extras.items():
         if not (exclude_frozen_parameters and name in frozen):
             out[name] = value.to(dtype) if value.is_floating_point() else value.clone()

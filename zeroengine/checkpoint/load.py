@@ -18,11 +18,13 @@ import torch
 
 from zeroengine import comm
 from zeroengine.progress import get_logger
+from zeroengine.tensor_parallel.layers import split_of
 from zeroengine.zero.gathered import GatheredParameters
 from zeroengine.zero.optimizer import reduced_elsewhere
 from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
+from . import tensor_split as ts
 from .agreement import exchange, raise_failures
 from .files import CheckpointError, load_tensors
 from .state import parameter_places, restore_rng, stored_shape
@@ -132,6 +134,13 @@ class _Plan:
             raise CheckpointError(f"{self.tag_dir}: the manifest does not list {mf.COMMON}")
         self.files = {mf.COMMON: load_tensors(self.manifest.verify_file(mf.COMMON))}
         self.common = self.files[mf.COMMON]
+        # buffers and frozen parameters: rank 0's in common.pt, later pipeline stages' in their shard files
+        self.extras = dict(self.common["module_extras"])
+        for file, info in self.manifest.data["files"].items():
+            if info.get("module_extras"):
+                self.files.setdefault(file, load_tensors(self.manifest.verify_file(file)))
+                self.extras.update(self.files[file]["module_extras"])
+        self._full_values: dict[str, dict[str, torch.Tensor]] = {}
         self._match_names()
         # Optimizer settings and state follow parameters into this run's groups; a load without them
         # (load_optimizer_states=False, load_module_only: warm starts) may regroup freely, as in DeepSpeed.
@@ -142,16 +151,24 @@ class _Plan:
         if os.path.exists(self.manifest.path(mf.shard_file(comm.get_rank()))):
             needed.add(mf.shard_file(comm.get_rank()))
         for piece in self.pieces:
+            if id(piece.param) in self.resharded:
+                continue
             if id(piece.param) not in self.from_extras and id(piece.param) not in self.kept:
                 needed.update(entry.file for entry in self._entries(piece))
+        for stored in {n for names in self.resharded.values() for n in names}:
+            needed.update(e.file for e in self.manifest.entries_overlapping(stored, 0, ts.numel(self.manifest.params,
+                                                                                                   stored)))
         for place, numel in self.from_shards.values():
             needed.update(e.file for e in self.manifest.entries_overlapping(place.name, place.offset,
                                                                             place.offset + numel))
         for file in sorted(needed - set(self.files)):
             if file in self.manifest.data["files"]:
                 self.files[file] = load_tensors(self.manifest.verify_file(file))
-        self.module_values = dict(self.common["module_extras"])
+        self.module_values = dict(self.extras)
         for name, (place, numel) in self.from_shards.items():
+            if id(self.module_state[name]) in self.resharded:
+                self.module_values[name] = self._local_of(self.module_state[name], "value")
+                continue
             self.module_values[name] = self._assemble(place.name, place.offset, place.offset + numel).view(
                 full_shape(self.module_state[name]))
 
@@ -173,7 +190,7 @@ class _Plan:
         * anything else is missing: an error, unless not strict (``kept``: the model keeps its value);
           stored parameters no model rank claims are refused by the caller, unless not strict.
         """
-        saved, extras = self.manifest.params, self.common["module_extras"]
+        saved, extras = self.manifest.params, self.extras
         self.module_state = self.engine.module.state_dict(keep_vars=True)
         names_of: dict[int, list[str]] = {}
         for name, t in self.module_state.items():
@@ -182,12 +199,17 @@ class _Plan:
         self.from_extras: dict[int, torch.Tensor] = {}
         self.from_shards: dict[str, tuple] = {}
         self.kept: set[int] = set()  # trainable parameters the checkpoint lacks (not strict): left as they are
+        # id(parameter) -> the stored names its full tensor is merged from, when it is stored cut another way
+        # (tensor parallelism at another size, or none: see tensor_split)
+        self.resharded: dict[int, list[str]] = {}
         missing, claimed = [], set()
         for pid, p in managed.items():
             place = self.places[pid]
             claimed.add(place.name)
             if place.name in saved:
                 self._check_shape(place.name, stored_shape(place, p), saved[place.name]["shape"])
+                continue
+            if self._cut_another_way(p, place, claimed):
                 continue
             extra = next((extras[n] for n in names_of.get(pid, []) if n in extras), None)
             if extra is None:
@@ -200,6 +222,9 @@ class _Plan:
             if id(t) in managed or name in extras:
                 continue
             place = self.places.get(id(t)) if isinstance(t, torch.nn.Parameter) else None
+            if place is not None and place.name not in saved and self._cut_another_way(t, place, claimed):
+                self.from_shards[name] = (place, full_shape(t).numel())
+                continue
             if place is not None and place.name in saved:
                 claimed.add(place.name)
                 self._check_shape(name, list(full_shape(t)),
@@ -217,6 +242,48 @@ class _Plan:
                                   f"{' ...' if len(missing) > 8 else ''} of this model{hint}")
         self.unclaimed = set(saved) - claimed
         self.missing = sorted(missing)  # (only when not strict: kept as the model has them)
+
+    def _cut_another_way(self, p: torch.Tensor, place, claimed: set) -> bool:
+        """Whether ``p`` is stored whole or in tensor-parallel pieces other than its own; if so it is read by
+        merging them (``resharded``) and they are claimed."""
+        if place.offset or place.shape is not None:  # (stacked experts: never tensor-parallel)
+            return False
+        names = ts.stored_pieces(self.manifest.params, ts.base_name(place.name))
+        if names is None:
+            return False
+        split = split_of(p)
+        mine = list(split.full_shape) if split is not None else list(full_shape(p))
+        self._check_shape(ts.base_name(place.name), mine, ts.full_shape_of(self.manifest.params, names))
+        self.resharded[id(p)] = names
+        claimed.update(names)
+        return True
+
+    def _full(self, names: list[str], key: str) -> torch.Tensor | None:
+        """The whole tensor (``key`` "value", or an optimizer moment) of the parameter stored as ``names``."""
+        cache = self._full_values.setdefault(names[0], {})
+        if key not in cache:
+            flats = []
+            for stored in names:
+                n = ts.numel(self.manifest.params, stored)
+                flat = None
+                for e in self.manifest.entries_overlapping(stored, 0, n):
+                    src = self.files[e.file]["entries"][e.index]
+                    v = src["value"] if key == "value" else src["state"].get(key)
+                    if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+                        return None
+                    flat = torch.empty(n, dtype=v.dtype) if flat is None else flat
+                    flat[e.start:e.end] = v
+                flats.append(flat)
+            cache[key] = ts.merge(self.manifest.params, names, flats)
+        return cache[key]
+
+    def _local_of(self, p: torch.Tensor, key: str) -> torch.Tensor | None:
+        """This rank's piece of ``p``'s stored ``key`` tensor, flat (None: no such moment stored)."""
+        full = self._full(self.resharded[id(p)], key)
+        if full is None:
+            return None
+        split = split_of(p)
+        return (split.shard(full) if split is not None else full).reshape(-1)
 
     def _match_groups(self) -> list[int | None]:
         """For each saved param group, the index of this optimizer's group that holds the same parameters
@@ -284,6 +351,9 @@ class _Plan:
             if extra is not None:  # frozen when saved: values only, the optimizer state starts fresh
                 piece.value.copy_(extra.reshape(-1)[piece.start:piece.end].view(piece.value.shape))
                 continue
+            if id(piece.param) in self.resharded:
+                self._apply_resharded(piece, with_optimizer_state, state)
+                continue
             name, start, end = self._stored(piece)
             entries = self.manifest.entries_overlapping(name, start, end)
             value = self._assemble(name, start, end)
@@ -305,6 +375,20 @@ class _Plan:
                                           f"parameter {name!r}")
                 state[piece.opt_param] = self._optimizer_state(piece, moments, scalars)
         self.engine.optimizer.after_checkpoint_load()
+
+    def _apply_resharded(self, piece, with_optimizer_state: bool, state: dict) -> None:
+        """A piece of a parameter stored cut another way: its elements of the merged, re-cut tensors."""
+        names = self.resharded[id(piece.param)]
+        piece.value.copy_(self._local_of(piece.param, "value")[piece.start:piece.end].view(piece.value.shape))
+        if not with_optimizer_state:
+            return
+        first = next(iter(self.manifest.entries_overlapping(names[0], 0, 1)))
+        stored_state = self.files[first.file]["entries"][first.index]["state"]
+        moments = {key: self._local_of(piece.param, key)[piece.start:piece.end]
+                   for key, v in stored_state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        scalars = {key: v for key, v in stored_state.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+        if moments or scalars:
+            state[piece.opt_param] = self._optimizer_state(piece, moments, scalars)
 
     def _optimizer_state(self, piece, moments: dict, scalars: dict) -> dict:
         target = piece.opt_param

@@ -26,7 +26,9 @@ import torch
 
 from zeroengine import comm
 from zeroengine.progress import get_logger
+from zeroengine.tensor_parallel.layers import split_of
 from zeroengine.zero.gathered import GatheredParameters
+from zeroengine.zero.optimizer import reduced_elsewhere
 
 from . import manifest as mf
 from .agreement import exchange, gather_to_rank0, raise_failures
@@ -70,7 +72,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     module_extras, frozen = _module_extras(engine, exclude_frozen_parameters)
     try:
         os.makedirs(staging, exist_ok=True)
-        report["files"].update(_write_shard(engine, staging, rank))
+        report["files"].update(_write_shard(engine, staging, rank, module_extras if rank != 0 else None))
         report["params"] = _param_table(engine)
         if rank == 0:
             report["files"][mf.COMMON] = save_tensors(_common_state(engine, training_state, module_extras,
@@ -126,13 +128,17 @@ def _agreed_tag(engine, arrival: list[dict]) -> str:
     return arrival[0]["tag"]
 
 
-def _write_shard(engine, staging: str, rank: int) -> dict:
-    """This rank's slices: every piece it owns (stage 0: one replica writes), with its optimizer state."""
+def _write_shard(engine, staging: str, rank: int, module_extras: dict | None = None) -> dict:
+    """This rank's slices: every piece it owns (stage 0: one replica writes), with its optimizer state; and
+    a later pipeline stage's buffers and frozen parameters (``module_extras``; rank 0's go in common.pt)."""
     places = parameter_places(engine.module)
     state = engine.optimizer.state
     entries, index = [], []
+    replicated_over_tp = engine.mesh.tp_rank > 0  # what every tensor rank holds alike: the first one writes
     for piece in engine.optimizer.checkpoint_pieces():
         if piece.replicated and comm.get_rank_in(piece.group) != 0:
+            continue
+        if replicated_over_tp and split_of(piece.param) is None:
             continue
         value = piece.value.detach().reshape(-1)
         if value.untyped_storage().nbytes() > value.numel() * value.element_size():
@@ -143,22 +149,30 @@ def _write_shard(engine, staging: str, rank: int) -> dict:
         place = places[id(piece.param)]
         index.append([place.name, place.offset + piece.start, place.offset + piece.end])
     name = mf.shard_file(rank)
-    info = save_tensors({"rank": rank, "rng": capture_rng(), "entries": entries}, os.path.join(staging, name))
-    return {name: {**info, "rank": rank, "entries": index}}
+    payload = {"rank": rank, "rng": capture_rng(), "entries": entries}
+    if module_extras:
+        payload["module_extras"] = module_extras
+    info = save_tensors(payload, os.path.join(staging, name))
+    return {name: {**info, "rank": rank, "entries": index, "module_extras": bool(module_extras)}}
 
 
 def _module_extras(engine, exclude_frozen: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Buffers and parameters the optimizer does not hold (frozen ones), full, by state_dict name (rank 0),
-    without the frozen parameters if ``exclude_frozen``; and the frozen parameters' names."""
+    """Buffers and parameters the optimizer does not hold (frozen ones), full, by state_dict name, without the
+    frozen parameters if ``exclude_frozen``; and the frozen parameters' names. Written by rank 0 and, under
+    model parallelism, by the first data- and tensor-parallel rank of every pipeline stage (each holds other
+    layers); empty on the others. A pipeline stage's copy of a tied weight is its owner's, stored there."""
     managed = {id(p) for p in engine.optimizer.checkpoint_params()}
     named = engine.module.state_dict(keep_vars=True)
-    extras = {name: t for name, t in named.items() if id(t) not in managed}
+    extras = {name: t for name, t in named.items() if id(t) not in managed
+              and not (isinstance(t, torch.nn.Parameter) and reduced_elsewhere(t))}
     frozen = sorted(name for name, t in extras.items() if isinstance(t, torch.nn.Parameter))
     if exclude_frozen:
         extras = {name: t for name, t in extras.items() if name not in frozen}
     params = [t for t in extras.values() if isinstance(t, torch.nn.Parameter)]
+    mesh = engine.mesh
+    writes = comm.get_rank() == 0 or (mesh.model_parallel and mesh.dp_rank == 0 and mesh.tp_rank == 0)
     with GatheredParameters(params):
-        if comm.get_rank() != 0:
+        if not writes:
             return {}, frozen
         return {name: t.detach().clone() for name, t in extras.items()}, frozen
 
@@ -204,6 +218,8 @@ def _param_table(engine) -> dict:
     for p in engine.optimizer.checkpoint_params():
         place = places[id(p)]
         table[place.name] = {"shape": stored_shape(place, p), "dtype": dtype, "group": groups.get(place.name)}
+        if split_of(p) is not None:
+            table[place.name]["split"] = split_of(p).as_dict()
     return table
 
 

@@ -18,10 +18,14 @@ def parameter_places(module: torch.nn.Module) -> dict[int, "StoredAs"]:
     """id(parameter) -> where its values are stored: a name (the first one, for a parameter shared under
     several names), and for stacked MoE experts an element offset into a larger stored tensor."""
     from zeroengine.moe.checkpoint_places import StoredAs, expert_checkpoint_places
+    from zeroengine.tensor_parallel.layers import split_of
+
+    from .tensor_split import piece_name
 
     places: dict[int, StoredAs] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        places.setdefault(id(p), StoredAs(name))
+        split = split_of(p)  # a tensor-parallel piece: stored under its own name (see tensor_split)
+        places.setdefault(id(p), StoredAs(name if split is None else piece_name(name, split)))
     # expert parameters on different expert-parallel ranks share local names: use their global identity
     experts = expert_checkpoint_places(module)
     by_local = {place.name: pid for pid, place in places.items()}

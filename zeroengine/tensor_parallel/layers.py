@@ -80,7 +80,7 @@ class ParallelLinear(torch.nn.Module):
         super().__init__()
         if style not in ("column", "row"):
             raise ValueError(f"style must be 'column' or 'row', got {style!r}")
-        group = TensorGroup.of(group)
+        group = _group(group)
         self.style, self.group, self.input_major, self.gather_output = style, group, input_major, gather_output
         out_dim = 1 if input_major else 0
         split_dim = out_dim if style == "column" else 1 - out_dim
@@ -105,7 +105,8 @@ class ParallelLinear(torch.nn.Module):
 
 
 class ColumnParallelLinear(ParallelLinear):
-    """``nn.Linear(in_features, out_features)`` with its output features split across the tensor group."""
+    """``nn.Linear(in_features, out_features)`` with its output features split across the tensor group (``group``:
+    a process group or TensorGroup; None: the tensor group of the mesh made last, see build_mesh)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  group=None):
@@ -128,7 +129,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, group, padding_idx: int | None = None):
         super().__init__()
-        group = self.group = TensorGroup.of(group)
+        group = self.group = _group(group)
         self.weight = _split_param(weight, 0, group)
         rows = self.weight.shape[0]
         self.start = self.weight._ze_tp_split.rank * rows
@@ -140,6 +141,11 @@ class VocabParallelEmbedding(torch.nn.Module):
     def of(cls, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, group=None):
         full = torch.nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
         return cls(full.weight, _group(group), padding_idx)
+
+    def as_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding used as the output projection (tied LM head): this rank's vocabulary slice of the
+        logits, for :func:`vocab_parallel_cross_entropy`."""
+        return F.linear(copy_to(x, self.group), self.weight)
 
     def forward(self, ids):
         outside = (ids < self.start) | (ids >= self.end)
