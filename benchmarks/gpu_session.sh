@@ -21,9 +21,12 @@
 #               fp32 and bf16: naive loop, zeroengine.MoE (modules, stacked), AutoEP's layer and its
 #               grouped-GEMM bound (autoep-bound/autoep >= 0.5 in bf16 is the target; fp32 naive/ours >= 5);
 #               then the AutoEP and MoE tests on the GPU's one rank                                ~5 min
+#   parallel    issue 25: tensor and pipeline parallelism over NCCL: the one-rank paths on one GPU (a one-stage
+#               PipelineModule through train_batch, GPT-2 through AutoTP's engine path, the vocabulary-parallel
+#               loss), and tp=2 / pp=2 against the CPU reference where the machine has 2 GPUs     ~2 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe}
+PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe|parallel}
 RESULTS=${OUT:-benchmarks/results/gpu_session}
 mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
@@ -88,8 +91,12 @@ case "$PHASE" in
     timeout "$(left)" "$PY" -m pytest -q -rs tests/unit/test_moe_ops.py tests/gpu -k "moe" \
       --junitxml="$RESULTS/moe_tests.xml" 2>&1 | tee "$RESULTS/moe_tests.log" | tail -8
     ;;
+  parallel)
+    timeout "$(left)" "$PY" -m pytest -q -rs tests/gpu/test_parallel_gpu.py --junitxml="$RESULTS/parallel.xml" 2>&1 \
+      | tee "$RESULTS/parallel.log" | tail -10
+    ;;
   *)
-    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile)" >&2
+    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile|moe|parallel)" >&2
     exit 2
     ;;
 esac

@@ -136,14 +136,16 @@ def render(report: dict, color: bool) -> str:
     return "\n".join(lines)
 
 
-def render_estimate(params: int, world: int) -> str:
-    """Per-rank model-state memory for every stage and offload mode, in fp32 and 16-bit."""
+def render_estimate(params: int, world: int, tp: int = 1, pp: int = 1) -> str:
+    """Per-rank model-state memory for every stage and offload mode, in fp32 and 16-bit; ``world`` data-parallel
+    ranks, each holding 1/(tp·pp) of the model."""
     import torch
 
     from zeroengine.estimate import estimate_memory
 
     gib = 2**30
-    lines = [f"model states per rank: {params:,} parameters, {world} data-parallel ranks (GiB, device + cpu)",
+    split = f", each holding 1/{tp * pp} of the model (tp {tp} × pp {pp})" if tp * pp > 1 else ""
+    lines = [f"model states per rank: {params:,} parameters, {world} data-parallel ranks{split} (GiB, device + cpu)",
              f"{'stage':<7}{'offload':<18}{'fp32 device':>12}{'fp32 cpu':>10}{'16-bit device':>15}{'16-bit cpu':>12}"]
     for stage in range(4):
         modes = [("none", False, False)]
@@ -152,7 +154,10 @@ def render_estimate(params: int, world: int) -> str:
         if stage == 3:
             modes.append(("optimizer+param", True, True))
         for name, opt, par in modes:
-            row = [estimate_memory(params, world, stage, opt, par, dtype) for dtype in (torch.float32, torch.bfloat16)]
+            if (tp * pp > 1) and (stage == 3 or (stage == 2 and pp > 1)):
+                continue  # not composed with tensor or pipeline parallelism (docs/parallelism.md)
+            row = [estimate_memory(params, world, stage, opt, par, dtype, tensor_parallel_size=tp,
+                                   pipeline_parallel_size=pp) for dtype in (torch.float32, torch.bfloat16)]
             lines.append(f"{stage:<7}{name:<18}{row[0]['device'] / gib:>12.2f}{row[0]['cpu'] / gib:>10.2f}"
                          f"{row[1]['device'] / gib:>15.2f}{row[1]['cpu'] / gib:>12.2f}")
     lines.append("activations, communication buckets and the allocator's slack come on top (docs/concepts.md, memory model)")
@@ -166,11 +171,27 @@ def main(argv=None) -> int:
     parser.add_argument("--estimate", type=float, metavar="MODEL_PARAMS",
                         help="instead of the environment, print per-rank memory for a model of this many "
                              "parameters (e.g. 1.3e9) at every stage and offload mode")
-    parser.add_argument("--world", type=int, default=None, help="data-parallel ranks for --estimate (default 1)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="with --estimate: data-parallel ranks (default 1); with --tp/--pp alone: the world "
+                             "size whose process mesh to print")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (tensor_parallel.autotp_size)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     args = parser.parse_args(argv)
+    if args.tp < 1 or args.pp < 1:
+        parser.error("--tp and --pp must be positive")
+    if args.estimate is None and (args.tp > 1 or args.pp > 1):
+        if args.world is None:
+            parser.error("--tp/--pp print the process mesh of a world: give --world (all ranks)")
+        from zeroengine.parallel.mesh import describe_layout
+
+        try:
+            print(describe_layout(args.world, pp=args.pp, tp=args.tp))
+        except ValueError as error:
+            parser.error(str(error))
+        return 0
     if args.estimate is None:
         if args.world is not None:
-            parser.error("--world goes with --estimate")
+            parser.error("--world goes with --estimate, or with --tp/--pp")
     else:
         world = 1 if args.world is None else args.world
         if not math.isfinite(args.estimate) or args.estimate < 1 or args.estimate != int(args.estimate) or world < 1:
@@ -178,7 +199,7 @@ def main(argv=None) -> int:
                          "rank count")
         if args.json:
             parser.error("--json reports the environment; --estimate prints a table")
-        print(render_estimate(int(args.estimate), world))
+        print(render_estimate(int(args.estimate), world, tp=args.tp, pp=args.pp))
         return 0
     report = collect()
     if args.json:

@@ -1,6 +1,8 @@
 """``zeroengine.estimate_memory``: the model-state formulas of docs/concepts.md, before anything runs.
 
-Per rank, Ψ parameters, N data-parallel ranks. 16-bit training keeps 16-bit
+Per rank, Ψ parameters, N data-parallel ranks; with T-way tensor and P-stage pipeline parallelism a rank
+holds Ψ/(T·P) of the model (the even split: replicated norms and biases are the small excess), which ZeRO
+then divides by N (docs/parallelism.md). 16-bit training keeps 16-bit
 parameters and gradients plus an fp32 master copy; fp32 training has no master
 copy unless the optimizer is offloaded (the CPU steps fp32 masters then).
 
@@ -20,7 +22,8 @@ _WIDTH = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_optimizer: bool | float = False,
                     offload_param: bool = False, dtype: torch.dtype = torch.float32,
-                    optimizer_state_bytes_per_param: int = 8) -> dict[str, float]:
+                    optimizer_state_bytes_per_param: int = 8, tensor_parallel_size: int = 1,
+                    pipeline_parallel_size: int = 1) -> dict[str, float]:
     """Predicted bytes of model states on one rank, by kind and by place ("device" / "cpu").
 
     ``offload_optimizer`` may be a fraction (``offload_optimizer.ratio``, partial offload): that share of
@@ -39,6 +42,12 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
             raise ValueError(f"model_or_param_count must be an nn.Module or a whole number of parameters >= 0, "
                              f"got {count!r}")
         psi = psi_all = int(count)
+    for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                       ("pipeline_parallel_size", pipeline_parallel_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    split = tensor_parallel_size * pipeline_parallel_size  # this rank's slice of the whole model
+    psi, psi_all = psi / split, psi_all / split
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be the integer 0, 1, 2 or 3, got {stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

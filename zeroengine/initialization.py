@@ -166,6 +166,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine.monitor = build_recorder(cfg.monitor, comm.get_rank())
     engine.autoep = autoep
     engine.autotp = tensor_parallel
+    if mesh.model_parallel and comm.get_rank() == 0:
+        logging.getLogger("zeroengine").info(f"process mesh: {mesh.describe()}")
     if cfg.compile.enabled:
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     loader = None

@@ -106,3 +106,40 @@ def test_autotp_checkpoint_loads_at_other_tensor_sizes(tmp_path):
     plain = build("gpt2")
     plain.load_state_dict(torch.load(out), strict=False)  # (GPT-2's causal-mask buffers are not saved)
     assert all(torch.equal(plain.state_dict()[k].float(), saved[k]) for k in saved)
+
+
+def _memory(rank, world):
+    from zeroengine.tensor_parallel import split_of
+    from zeroengine.zero.optimizer import reduced_elsewhere
+
+    engine, *_ = zeroengine.initialize(model=tp_pipe_model(2, 2), config=config(2, 4, stage=1))
+    engine.train_batch(iter(batches(1, 4, 2)[0][engine.mesh.dp_rank]))
+    layout = engine.optimizer.layout
+    copies = sum(p.numel() for p in engine.module.parameters() if reduced_elsewhere(p))
+    replicated = sum(p.numel() for p in engine.module.parameters() if split_of(p) is None and not reduced_elsewhere(p))
+    return {"psi": layout.param_numel, "padded": layout.total_numel, "mem": engine.memory_breakdown(),
+            "copies": copies, "replicated": replicated, "coords": engine.mesh.coords()}
+
+
+def test_memory_per_rank_follows_the_divided_formula():
+    """fp32 ZeRO 1 at dp2 × tp2 × pp2: each rank holds its slice's parameters and gradients whole and 1/N of
+    its Adam state (8 Ψ_rank + 8 Ψ_rank / N); a replica's slices add up to the model, with the replicated norms
+    and biases once per tensor rank; estimate_memory's Ψ/(T·P) is the per-rank mean up to that excess."""
+    results = run_distributed(_memory, 8)
+    n, t, p = 2, 2, 2
+    for r in results:
+        mem, psi, padded = r["mem"], r["psi"], r["padded"]
+        assert mem["params"] == 4 * (padded + r["copies"])  # the flat buffer, and a tied weight's copy
+        assert mem["grads"] == 4 * padded
+        assert 8 * psi // n - 8 * (padded - psi) <= mem["optimizer_states"] <= 8 * padded // n
+    replica = [r for r in results if r["coords"][1] == 0]
+    total = sum(q.numel() for q in tp_pipe_model(1, 1).parameters())
+    replicated = sum(r["replicated"] for r in replica if r["coords"][2] == 0)
+    assert sum(r["psi"] for r in replica) == total + (t - 1) * replicated
+    predicted = zeroengine.estimate_memory(total, n, 1, tensor_parallel_size=t, pipeline_parallel_size=p)
+    assert predicted["total"] == pytest.approx(8 * total / (t * p) + 8 * total / (t * p * n))
+    measured = sum(r["mem"]["params"] - 4 * r["copies"] + r["mem"]["grads"] + r["mem"]["optimizer_states"]
+                   for r in results) / len(results)
+    excess = 16 * (t - 1) * replicated / (t * p) + 16 * max(r["padded"] - r["psi"] for r in results)
+    assert predicted["total"] - 16 * max(r["padded"] - r["psi"] for r in results) <= measured
+    assert measured <= predicted["total"] + excess

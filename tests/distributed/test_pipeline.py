@@ -183,3 +183,32 @@ def test_one_stage_in_one_process_needs_no_world():
     model = PipelineModule(layers(), num_stages=1, loss_fn=lm_loss)
     x, y = batches(1, 1, 1)[0][0][0]
     assert model.stage_layers == range(len(layers())) and lm_loss(model(x), y).dim() == 0
+
+
+def _eval(rank, world, stages):
+    engine, *_ = zeroengine.initialize(model=pipe_model(stages), config=config(world // stages, 4))
+    data = batches(1, 4, world // stages)[0][engine.mesh.dp_rank]
+    loss = float(engine.eval_batch(iter(data)))
+    losses, logits = engine.eval_batch(iter(data), return_logits=True, reduce_output=None)
+    trained = float(engine.train_batch(iter(data)))
+    return {"loss": loss, "each": None if losses is None else [float(x) for x in losses],
+            "logits": None if logits is None else len(logits), "trained": trained, "training": engine.module.training}
+
+
+def test_eval_batch_is_the_forward_of_train_batch():
+    """eval_batch's mean loss on every stage equals the one-process forward; with reduce_output=None the last
+    stage returns each micro-batch's loss and, with return_logits, its outputs; the next train_batch starts from
+    the same weights (its loss is the same)."""
+    results = run_distributed(_eval, 4, 2)
+    model = pipe_model(1).eval()
+    per_replica = batches(1, 4, 2)[0]
+    with torch.no_grad():
+        expected = [[lm_loss(model(x), y).item() for x, y in replica] for replica in per_replica]
+    mean = sum(map(sum, expected)) / 8
+    for r in results:
+        assert r["loss"] == pytest.approx(mean, abs=1e-5) and r["trained"] == pytest.approx(mean, abs=1e-5)
+        assert r["training"]
+    last = [r for r in results if r["logits"] is not None]
+    assert len(last) == 2 and all(r["logits"] == 4 for r in last)
+    # each micro-batch's loss, averaged over the two replicas
+    assert results[0]["each"] == pytest.approx([(a + b) / 2 for a, b in zip(*expected)], abs=1e-5)

@@ -71,7 +71,8 @@ def test_engine_config_reads_as_a_dict():
     engine = _engine(3)
     assert engine.config.get("zero_optimization", {}).get("stage") == 3  # transformers' save_model asks this
     assert engine.config["train_micro_batch_size_per_gpu"] == 4 and "fp16" in engine.config
-    assert engine.config.get("tensor_parallel", {}).get("autotp_size", 1) == 1  # absent keys: the default given
+    assert engine.config.get("no_such_section", {}).get("autotp_size", 1) == 1  # absent keys: the default given
+    assert engine.config.get("tensor_parallel", {}).get("autotp_size", 1) == 0  # DeepSpeed's default: no split
     assert dict(engine.config.items())["zero_optimization"]["stage"] == 3 and "bf16" in engine.config.keys()
     assert engine.config.zero_optimization.stage == 3  # and still the typed config
 

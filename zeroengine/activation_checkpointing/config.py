@@ -167,6 +167,3 @@ def configure_from_initialize(cfg: ZeroEngineConfig, mpu) -> None:
     else:
         configure(mpu, deepspeed_config=cfg.activation_checkpointing)
     _SETTINGS = dataclasses.replace(_SETTINGS, by_initialize=True)
-    if _SETTINGS.mp_world_size > 1:
-        logger.warning("initialize(mpu=...): the model-parallel group is used to partition saved activations only; "
-                       "ZeRO still treats every rank as data-parallel")

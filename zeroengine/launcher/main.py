@@ -325,6 +325,35 @@ def _switch_on_as_deepspeed() -> Optional[str]:
     return None
 
 
+def _announce_mesh(script_args: List[str], world: int) -> None:
+    """The process mesh the ranks will form, when the script's config (``--zeroengine_config`` / ``--deepspeed_config``
+    / ``--deepspeed``'s file) asks for tensor parallelism or a number of pipeline stages: printed before they start,
+    so a world that does not divide shows here, not in every rank's traceback. Anything unreadable is left to the
+    ranks, which check the config properly."""
+    path = None
+    for i, arg in enumerate(script_args):
+        for flag in ("--zeroengine_config", "--deepspeed_config", "--deepscale_config"):
+            if arg == flag and i + 1 < len(script_args):
+                path = script_args[i + 1]
+            elif arg.startswith(flag + "="):
+                path = arg.split("=", 1)[1]
+    if path is None or not os.path.isfile(path):
+        return
+    try:
+        from zeroengine.config import read_config_file
+
+        data = read_config_file(path)
+        tp = (data.get("tensor_parallel") or {}).get("autotp_size") or 1
+        pp = (data.get("pipeline") or {}).get("stages", 1)
+        pp = pp if isinstance(pp, int) else 1
+        if tp > 1 or pp > 1:
+            from zeroengine.parallel.mesh import describe_layout
+
+            print("zeroengine: " + describe_layout(world, pp=pp, tp=tp), file=sys.stderr, flush=True)
+    except Exception as error:  # noqa: BLE001 - the ranks report config problems themselves
+        print(f"zeroengine: note: the process mesh for {path} is not shown ({error})", file=sys.stderr)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the launcher; returns the exit code (0 only if every rank succeeded)."""
     parser = build_parser()
@@ -350,6 +379,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_commands(commands)
         return 0
     if isinstance(what, NodePlan):
+        if what.node_rank == 0:
+            _announce_mesh(args.script_args, what.world_size)
         return supervise(commands, noun="ranks", grace_period=args.grace_period,
                          watch_stdin=args.watch_stdin)
     for command in commands:

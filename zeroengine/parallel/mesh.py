@@ -206,18 +206,42 @@ def mesh_from_mpu(mpu, pp: int = 1) -> ProcessMesh:
             groups[axis] = getattr(mpu, getter)()
     ranks = {"data": tuple(dist.get_process_group_ranks(dp_group)) if dist.is_initialized() and dp < world
              else tuple(range(world))}
-    return _MpuMesh(pp, dp, tp, rank, groups, ranks, int(mpu.get_data_parallel_rank()))
+    def rank_of(*names):
+        return next((int(getattr(mpu, n)()) for n in names if hasattr(mpu, n)), 0)
+    return _MpuMesh(pp, dp, tp, rank, groups, ranks, int(mpu.get_data_parallel_rank()),
+                    rank_of("get_tensor_model_parallel_rank", "get_model_parallel_rank"),
+                    rank_of("get_pipeline_model_parallel_rank"))
 
 
 @dataclass(frozen=True)
 class _MpuMesh(ProcessMesh):
-    """The user's groups, whose rank numbering need not follow :data:`AXES`: the data rank is the mpu's."""
+    """The user's groups, whose rank numbering need not follow :data:`AXES`: each index is the mpu's."""
 
     mpu_dp_rank: int = 0
+    mpu_tp_rank: int = 0
+    mpu_pp_rank: int = 0
 
-    @property
-    def dp_rank(self) -> int:
-        return self.mpu_dp_rank
+    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
+        if rank is not None and rank != self.rank:
+            raise ValueError("a mesh from an mpu knows only this rank's place")
+        return self.mpu_pp_rank, self.mpu_dp_rank, self.mpu_tp_rank
+
+
+def describe_layout(world: int, pp: int = 1, tp: int = 1) -> str:
+    """The mesh a world of ``world`` ranks gets for ``pp`` stages and ``tp``-way tensor parallelism, as a table
+    (what ``ze_report --world W --tp T --pp P`` and the launcher print); computed, no group is made."""
+    if pp < 1 or tp < 1 or world % (pp * tp):
+        raise ValueError(f"{world} ranks cannot be split into {pp} pipeline stage(s) × {tp}-way tensor "
+                         f"parallelism (pp · tp = {pp * tp} must divide the world size)")
+    dp = world // (pp * tp)
+    members = _axis_members(pp, dp, tp)
+    lines = [f"mesh: {world} ranks = pipeline {pp} × data {dp} × tensor {tp} (rank = pipe·{dp * tp} + data·{tp} + "
+             "tensor)"]
+    for axis in ("data", "tensor", "pipe"):
+        groups = members[axis]
+        shown = ", ".join(str(g) for g in groups[:6]) + (", ..." if len(groups) > 6 else "")
+        lines.append(f"  {axis:<7}groups of {len(groups[0])}: {shown}")
+    return "\n".join(lines)
 
 
 def data_parallel_mesh() -> ProcessMesh:

@@ -105,16 +105,17 @@ class PipelineEngine(Engine):
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", num_micro_batches: int | None = None):
         """Forward only, over ``num_micro_batches`` (default: gradient_accumulation_steps) micro-batches; returns
-        their mean loss on every stage (``reduce_output=None``: the list of losses), and with ``return_logits``
-        also the last stage's outputs (None on the others)."""
+        their mean loss on every stage (``reduce_output=None``: each micro-batch's, averaged over replicas), and
+        with ``return_logits`` also the last stage's outputs (None on the others)."""
         self._refuse_if_destroyed("eval_batch")
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
         was_training = self.module.training
         self.module.eval()
         run = _MicroBatches(self, self._iterator(data_iter), train=False, compute_loss=compute_loss)
+        count = num_micro_batches or self.micro_batches
         try:
-            for i in range(num_micro_batches or self.micro_batches):
+            for i in range(count):
                 run.forward(i)
             self.link.finish()
         finally:
@@ -122,9 +123,8 @@ class PipelineEngine(Engine):
         logits = run.outputs if return_logits and self.is_last_stage() else None
         if not compute_loss:
             return logits if return_logits else None
-        if reduce_output is None:
-            losses = [self._agreed_loss([loss]) for loss in run.losses] if self.is_last_stage() else None
-            result = losses
+        if reduce_output is None:  # each micro-batch's (collective: every stage takes part in each)
+            result = [self._agreed_loss(run.losses[i:i + 1]) for i in range(count)]
         else:
             result = self._agreed_loss(run.losses)
         return (result, logits) if return_logits else result

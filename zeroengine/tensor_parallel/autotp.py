@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layers import ParallelLinear, VocabParallelEmbedding
-from .ops import TensorGroup
+from .ops import TensorGroup, copy_to
 
 
 @dataclass
@@ -46,8 +46,24 @@ def _linear(m) -> bool:
     return isinstance(m, torch.nn.Linear)
 
 
-def _column(m, tg, input_major=False, blocks=1, gather=False) -> ParallelLinear:
-    return ParallelLinear(m.weight, m.bias, "column", tg, input_major=input_major, blocks=blocks, gather_output=gather)
+def _column(m, tg, input_major=False, blocks=1, gather=False, input_copied=False) -> ParallelLinear:
+    return ParallelLinear(m.weight, m.bias, "column", tg, input_major=input_major, blocks=blocks, gather_output=gather,
+                          input_copied=input_copied)
+
+
+def _copy_input_once(module: torch.nn.Module, tg: TensorGroup) -> None:
+    """``module``'s first input (its hidden states) through copy_to before its column-parallel layers read it:
+    Megatron fuses q, k and v (and gate and up) into one matrix, whose input gradient is all-reduced once; the
+    separate layers of a Hugging Face module share one copy_to instead of all-reducing a part each."""
+    def hook(_, args, kwargs):
+        if args:
+            return (copy_to(args[0], tg),) + tuple(args[1:]), kwargs
+        key = next((k for k in ("hidden_states", "x") if k in kwargs), None)
+        if key is None:
+            raise TypeError(f"{type(module).__name__} was called without its hidden states (positional, or as "
+                            "hidden_states=): tensor parallelism cannot find the input its projections share")
+        return args, {**kwargs, key: copy_to(kwargs[key], tg)}
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _row(m, tg, input_major=False) -> ParallelLinear:
@@ -85,13 +101,15 @@ def convert(model: torch.nn.Module, tg: TensorGroup) -> AutoTPResult:
             _heads_divide(name, module.q_proj.out_features // head_dim, tg, "attention heads")
             _heads_divide(name, module.k_proj.out_features // head_dim, tg, "key-value heads")
             for proj in ("q_proj", "k_proj", "v_proj"):
-                setattr(module, proj, _column(getattr(module, proj), tg))
+                setattr(module, proj, _column(getattr(module, proj), tg, input_copied=True))
             module.o_proj = _row(module.o_proj, tg)
+            _copy_input_once(module, tg)
             result.attention.append(name)
         elif all(_linear(children.get(k)) for k in ("gate_proj", "up_proj", "down_proj")):
-            module.gate_proj = _column(module.gate_proj, tg)
-            module.up_proj = _column(module.up_proj, tg)
+            module.gate_proj = _column(module.gate_proj, tg, input_copied=True)
+            module.up_proj = _column(module.up_proj, tg, input_copied=True)
             module.down_proj = _row(module.down_proj, tg)
+            _copy_input_once(module, tg)
             result.mlp.append(name)
     result.embeddings = _convert_embeddings(model, tg)
     return result

@@ -72,16 +72,19 @@ class ParallelLinear(torch.nn.Module):
     (``"row"``). ``input_major``: the weight is stored [in, out] (GPT-2's Conv1D) rather than [out, in].
 
     Column: the input is whole on every rank, the output is this rank's features (``gather_output`` makes it
-    whole again). Row: the input is this rank's features (a column-parallel output), the partial products are
+    whole again); ``input_copied``: the caller applied :func:`copy_to` to the input once for several layers
+    reading it (Llama's q, k and v), so its gradient is all-reduced once, not once per layer. Row: the input is this rank's features (a column-parallel output), the partial products are
     summed over the group, then the (replicated) bias is added once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, style: str, group, input_major: bool = False,
-                 gather_output: bool = False, blocks: int = 1):
+                 gather_output: bool = False, blocks: int = 1, input_copied: bool = False):
         super().__init__()
         if style not in ("column", "row"):
             raise ValueError(f"style must be 'column' or 'row', got {style!r}")
         group = _group(group)
         self.style, self.group, self.input_major, self.gather_output = style, group, input_major, gather_output
+        # column: the input went through copy_to already (one all-reduce in backward for the layers sharing it)
+        self.input_copied = input_copied
         out_dim = 1 if input_major else 0
         split_dim = out_dim if style == "column" else 1 - out_dim
         self.weight = _split_param(weight, split_dim, group, blocks)
@@ -93,7 +96,7 @@ class ParallelLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
     def forward(self, x):
-        if self.style == "column":
+        if self.style == "column" and not self.input_copied:
             x = copy_to(x, self.group)
         y = x @ self.weight if self.input_major else F.linear(x, self.weight)
         if self.style == "row":
