@@ -91,9 +91,11 @@ def config(dp: int, micro_batches: int, stage: int = 1, clip: float = 1.0, sched
     }
 
 
-def reference(steps: int, micro_batches: int, dp: int, clip: float = 1.0, **model_kwargs):
-    """(losses per step, final state_dict) of the same model in one process over the same global batches."""
-    model = pipe_model(1, **model_kwargs)
+def reference(steps: int, micro_batches: int, dp: int, clip: float = 1.0, model: PipelineModule | None = None,
+              loss_fn=lm_loss, **model_kwargs):
+    """(losses per step, final state_dict) of the same model (one stage) in one process over the same global
+    batches, stepped by torch's AdamW on the mean loss of every replica's micro-batches."""
+    model = model if model is not None else pipe_model(1, **model_kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
     losses = []
     for per_rank in batches(steps, micro_batches, dp):
@@ -101,7 +103,7 @@ def reference(steps: int, micro_batches: int, dp: int, clip: float = 1.0, **mode
         total = 0.0
         for replica in per_rank:
             for x, y in replica:
-                loss = lm_loss(model(x), y)
+                loss = loss_fn(model(x), y)
                 (loss / (micro_batches * dp)).backward()
                 total += loss.item() / (micro_batches * dp)
         if clip:
@@ -160,19 +162,5 @@ def tp_pipe_model(stages: int, tp: int) -> PipelineModule:
 
 
 def tp_reference(steps: int, micro_batches: int, dp: int, clip: float = 1.0):
-    """The 3D model at one rank (tensor-parallel layers whole), stepped by torch's AdamW on every replica's batch."""
-    model = tp_pipe_model(1, 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
-    losses = []
-    for per_rank in batches(steps, micro_batches, dp):
-        opt.zero_grad()
-        total = 0.0
-        for replica in per_rank:
-            for x, y in replica:
-                loss = tp_lm_loss(model(x), y)
-                (loss / (micro_batches * dp)).backward()
-                total += loss.item() / (micro_batches * dp)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """The 3D model at one rank (tensor-parallel layers whole), against every replica's batch."""
+    return reference(steps, micro_batches, dp, clip, model=tp_pipe_model(1, 1), loss_fn=tp_lm_loss)
