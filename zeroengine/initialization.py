@@ -234,12 +234,12 @@ def _split_tensors(cfg, model, mesh: ProcessMesh):
         raise ConfigError("tensor_parallel.autotp_size", str(error)) from None
     if result.layers == 0:
         raise ConfigError("tensor_parallel.autotp_size", f"{mesh.tp}, but the model has no layer AutoTP recognises "
-                          "(GPT-2 or Llama-style attention and MLP blocks); build it from "
+                          "(GPT-2 or Llama-style attention and MLP blocks, stacked MoE experts); build it from "
                           "zeroengine.tensor_parallel's ColumnParallelLinear / RowParallelLinear instead")
     if comm.get_rank() == 0:
         logging.getLogger("zeroengine").info(
-            f"tensor_parallel: {len(result.attention)} attention and {len(result.mlp)} MLP blocks split {mesh.tp} "
-            f"ways; embeddings {result.embeddings}")
+            f"tensor_parallel: {len(result.attention)} attention, {len(result.mlp)} MLP and {len(result.experts)} "
+            f"stacked-expert blocks split {mesh.tp} ways; embeddings {result.embeddings}")
     return result
 
 

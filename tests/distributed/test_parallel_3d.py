@@ -64,13 +64,13 @@ def test_dp2_tp2_pp2_matches_one_process(tmp_path):
     assert all(torch.equal(consolidated[k], state[k]) for k in state)
 
 
-def _gpt2(rank, world, tp, steps, save=None, load=None, stage=1):
+def _hf(rank, world, name, tp, steps, save=None, load=None, stage=1):
     from parity import base_config
     from test_real_models import build, loss_of
     from test_tensor_parallel import MICRO, global_batches
 
     dp = world // tp
-    model = build("gpt2")
+    model = build(name)
     cfg = base_config(MICRO, 1, dp, 1.0, lr=1e-3, stage=stage)
     cfg["tensor_parallel"] = {"autotp_size": tp}
     engine, *_ = zeroengine.initialize(model=model, config=cfg)
@@ -88,22 +88,24 @@ def _gpt2(rank, world, tp, steps, save=None, load=None, stage=1):
     return {"losses": losses, "state": local_state(model)}
 
 
-def test_autotp_checkpoint_loads_at_other_tensor_sizes(tmp_path):
-    """GPT-2 saved at dp=2 × tp=2 (ZeRO 1) resumes at tp=1 on 2 ranks exactly as at its own layout: the fused
-    query-key-value matrix, cut in three blocks, is merged and re-cut (values and Adam moments)."""
-    saved = full_state([r["state"] for r in run_distributed(_gpt2, 4, 2, 2, save=str(tmp_path))])
+@pytest.mark.parametrize("name", ["gpt2", "mixtral"])
+def test_autotp_checkpoint_loads_at_other_tensor_sizes(tmp_path, name):
+    """GPT-2 and Mixtral saved at dp=2 × tp=2 (ZeRO 1) resume at tp=1 on 2 ranks exactly as at their own
+    layout: GPT-2's fused query-key-value matrix (three blocks) and Mixtral's stacked experts' [gate; up]
+    matrices (two blocks) are merged and re-cut, values and Adam moments."""
+    saved = full_state([r["state"] for r in run_distributed(_hf, 4, name, 2, 2, save=str(tmp_path))])
     for world, tp in [(2, 1), (2, 2)]:
-        loaded = run_distributed(_gpt2, world, tp, 0, load=str(tmp_path))
+        loaded = run_distributed(_hf, world, name, tp, 0, load=str(tmp_path))
         got = full_state([r["state"] for r in loaded])
         assert all(torch.equal(got[k], saved[k]) for k in saved), (world, tp)
-    same = run_distributed(_gpt2, 4, 2, 1, load=str(tmp_path))[0]["losses"]
-    other = run_distributed(_gpt2, 2, 1, 1, load=str(tmp_path))[0]["losses"]
+    same = run_distributed(_hf, 4, name, 2, 1, load=str(tmp_path))[0]["losses"]
+    other = run_distributed(_hf, 2, name, 1, 1, load=str(tmp_path))[0]["losses"]
     assert other == pytest.approx(same, abs=1e-5)
-    out = str(tmp_path / "gpt2.pt")
+    out = str(tmp_path / f"{name}.pt")
     assert os.system(f"ze_to_fp32 {tmp_path} {out} --tag tp > /dev/null 2>&1") == 0
     from test_real_models import build
 
-    plain = build("gpt2")
+    plain = build(name)
     plain.load_state_dict(torch.load(out), strict=False)  # (GPT-2's causal-mask buffers are not saved)
     assert all(torch.equal(plain.state_dict()[k].float(), saved[k]) for k in saved)
 

@@ -1,8 +1,10 @@
 """Tensor parallelism (AutoTP: ``tensor_parallel.autotp_size``) on Hugging Face models, against one process.
 
 GPT-2 (a fused query-key-value Conv1D cut in three blocks; the vocabulary-parallel embedding tied to the LM
-head), a Llama-style decoder (grouped-query attention: key-value heads split too; SwiGLU) and Mixtral's
-attention (its router and stacked experts replicated) train at tp=2 alone, and at dp=2 × tp=2 under ZeRO
+head), a Llama-style decoder (grouped-query attention: key-value heads split too; SwiGLU) and Mixtral (its
+attention like Llama's, its stacked experts' intermediate dimension split, the router replicated), Qwen2-MoE
+(a shared expert split like a Llama MLP) and DeepSeek-V3 (its latent attention replicated, a dense first
+layer and the experts split) train at tp=2 alone, and at dp=2 × tp=2 under ZeRO
 stages 0, 1 and 2, on the same global batch as a single process stepping torch's AdamW. fp32 within 1e-5:
 what differs is only the order of sums (a row-parallel layer adds its halves' partial products).
 """
@@ -11,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from parity import ADAM_EPS, base_config
-from test_real_models import build, loss_of
+from test_real_models import build as build_dense
+from test_real_models import loss_of
 
 import zeroengine
 from zeroengine.tensor_parallel.layers import TensorSplit, split_of
@@ -20,6 +23,15 @@ from zeroengine.testing import run_distributed
 transformers = pytest.importorskip("transformers")
 
 MICRO, STEPS, SEQ, VOCAB, LR, CLIP = 2, 3, 8, 128, 1e-3, 1.0
+
+
+def build(name: str):
+    """The dense models of test_real_models, or an MoE family of hf_moe (Qwen2-MoE, DeepSeek-V3)."""
+    if name in ("qwen2_moe", "deepseek_v3"):
+        import hf_moe
+
+        return hf_moe.build(name)
+    return build_dense(name)
 
 
 def global_batches(dp: int):
@@ -83,7 +95,7 @@ def _train(rank, world, name, tp, stage):
 
 @pytest.mark.parametrize("name,world,stage", [
     ("gpt2", 2, 1), ("llama", 2, 1), ("mixtral", 2, 1),
-    ("gpt2", 4, 0), ("llama", 4, 1), ("gpt2", 4, 2),
+    ("gpt2", 4, 0), ("llama", 4, 1), ("gpt2", 4, 2), ("mixtral", 4, 2), ("qwen2_moe", 2, 1), ("deepseek_v3", 2, 2),
 ])
 def test_autotp_matches_one_process(name, world, stage):
     tp = 2
@@ -100,6 +112,11 @@ def test_autotp_matches_one_process(name, world, stage):
     assert len({r["norm"] for r in results}) == 1 and results[0]["norm"] == pytest.approx(ref_norm, rel=1e-5)
     if name == "gpt2":
         assert all(r["tied"] for r in results)
+    if name != "gpt2" and name != "llama":  # the experts are split, not left replicated: each rank holds half of each expert
+        assert results[0]["autotp"].experts
+        experts = [n for n in results[0]["state"] if n.endswith("experts.down_proj")]
+        assert experts and all(results[0]["state"][n][1] == {**results[0]["state"][n][1], "dim": 2, "parts": 2}
+                               for n in experts)
 
 
 def test_bf16_autotp_follows_the_fp32_reference():

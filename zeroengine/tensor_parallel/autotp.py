@@ -12,9 +12,15 @@ Recognised by structure, not by model name (so Mistral, Qwen2 and their relative
 * The input embedding vocabulary-parallel, and the LM head column-parallel by vocabulary with its logits
   gathered (the model's own loss then sees the whole vocabulary); a head tied to the embedding stays tied to
   its rows. When the vocabulary does not divide by the tensor size both stay replicated (said in the log).
+* Stacked MoE experts (Mixtral, Qwen2-MoE, DeepSeek in transformers: one module holding ``gate_up_proj``
+  [E, 2I, H] and ``down_proj`` [E, H, I] for all experts): every expert's intermediate dimension cut like a
+  Llama MLP's (gate and up as two blocks, so each rank keeps matching halves), the experts' partial outputs
+  summed over the group. The routing weights enter the experts through copy_to as the hidden states do, so
+  the router's gradient is whole on every rank. Expert layouts with biases or a norm after each expert stay
+  replicated (a bias or a norm would see a partial sum).
 
-What is not listed (norms, position embeddings, routers, stacked MoE experts) stays replicated: every tensor
-rank holds it and computes the same gradient for it.
+What is not listed (norms, position embeddings, routers) stays replicated: every tensor rank holds it and
+computes the same gradient for it.
 """
 from __future__ import annotations
 
@@ -22,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layers import ParallelLinear, VocabParallelEmbedding
-from .ops import TensorGroup, copy_to
+from .layers import ParallelLinear, VocabParallelEmbedding, split_param
+from .ops import TensorGroup, copy_to, reduce_from
 
 
 @dataclass
@@ -31,11 +37,12 @@ class AutoTPResult:
     size: int
     attention: list[str] = field(default_factory=list)
     mlp: list[str] = field(default_factory=list)
+    experts: list[str] = field(default_factory=list)  # stacked MoE experts split; replicated ones are not listed
     embeddings: str = "replicated"  # "vocab-parallel", or why not
 
     @property
     def layers(self) -> int:
-        return len(self.attention) + len(self.mlp)
+        return len(self.attention) + len(self.mlp) + len(self.experts)
 
 
 def _is_conv1d(m) -> bool:
@@ -111,8 +118,60 @@ def convert(model: torch.nn.Module, tg: TensorGroup) -> AutoTPResult:
             module.down_proj = _row(module.down_proj, tg)
             _copy_input_once(module, tg)
             result.mlp.append(name)
+        elif _splittable_experts(module, tg):
+            _split_experts(module, tg)
+            result.experts.append(name)
     result.embeddings = _convert_embeddings(model, tg)
     return result
+
+
+def _stacked(module, name: str):
+    p = module._parameters.get(name)
+    return p if p is not None and p.dim() == 3 else None
+
+
+def _splittable_experts(module, tg: TensorGroup) -> bool:
+    """transformers' stacked-experts layout, without a per-expert bias or norm (which would see partial sums)
+    and with an intermediate dimension that divides by the tensor size."""
+    if _stacked(module, "down_proj") is None or getattr(module, "has_bias", False):
+        return False
+    if getattr(module, "has_post_expert_norm", False) or any(k.endswith("_bias") for k in module._parameters):
+        return False
+    up = _stacked(module, "gate_up_proj") if getattr(module, "has_gate", True) else _stacked(module, "up_proj")
+    if up is None:
+        return False
+    inner = module.down_proj.shape[1 if getattr(module, "is_transposed", False) else 2]
+    return inner % tg.size == 0
+
+
+def _split_experts(module, tg: TensorGroup) -> None:
+    """Every expert's intermediate features split across ``tg`` (see the module docstring)."""
+    transposed = getattr(module, "is_transposed", False)  # [E, H, 2I] and [E, I, H] instead
+    if getattr(module, "has_gate", True):
+        # concatenated [gate; up] is two blocks each rank takes a part of; interleaved [g0, u0, g1, u1, ...]
+        # keeps its pairs whole under a plain cut.
+        blocks = 2 if getattr(module, "is_concatenated", True) else 1
+        module.gate_up_proj = split_param(module.gate_up_proj, 2 if transposed else 1, tg, blocks=blocks)
+    else:
+        module.up_proj = split_param(module.up_proj, 2 if transposed else 1, tg)
+    module.down_proj = split_param(module.down_proj, 1 if transposed else 2, tg)
+    if hasattr(module, "intermediate_dim"):
+        module.intermediate_dim //= tg.size
+
+    def copy_inputs(_, args, kwargs):
+        # (hidden_states, top_k_index, top_k_weights): the states and the weights are read by every rank's
+        # part of every expert, so each gets its gradient all-reduced once.
+        named = dict(zip(("hidden_states", "top_k_index", "top_k_weights"), args))
+        named.update(kwargs)
+        for key in ("hidden_states", "top_k_weights"):
+            if key not in named:
+                raise TypeError(f"{type(module).__name__} was called without {key}: tensor parallelism splits its "
+                                "experts and must see the inputs they share")
+            named[key] = copy_to(named[key], tg)
+        return (), named
+
+    module.register_forward_pre_hook(copy_inputs, with_kwargs=True)
+    module.register_forward_hook(lambda _, __, out: reduce_from(out, tg))
 
 
 def _convert_embeddings(model, tg: TensorGroup) -> str:

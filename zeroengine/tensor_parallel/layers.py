@@ -56,7 +56,7 @@ def split_of(p: torch.Tensor) -> TensorSplit | None:
     return getattr(p, "_ze_tp_split", None)
 
 
-def _split_param(full: torch.Tensor, dim: int, tg: TensorGroup, blocks: int = 1) -> torch.nn.Parameter:
+def split_param(full: torch.Tensor, dim: int, tg: TensorGroup, blocks: int = 1) -> torch.nn.Parameter:
     parts, rank = tg.size, tg.rank
     if full.shape[dim] % (parts * blocks):
         raise ValueError(f"a dimension of size {full.shape[dim]} cannot be split into {parts} tensor-parallel parts"
@@ -87,11 +87,11 @@ class ParallelLinear(torch.nn.Module):
         self.input_copied = input_copied
         out_dim = 1 if input_major else 0
         split_dim = out_dim if style == "column" else 1 - out_dim
-        self.weight = _split_param(weight, split_dim, group, blocks)
+        self.weight = split_param(weight, split_dim, group, blocks)
         if bias is None:
             self.bias = None
         elif style == "column":
-            self.bias = _split_param(bias, 0, group, blocks)
+            self.bias = split_param(bias, 0, group, blocks)
         else:
             self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
@@ -133,7 +133,7 @@ class VocabParallelEmbedding(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, group, padding_idx: int | None = None):
         super().__init__()
         group = self.group = _group(group)
-        self.weight = _split_param(weight, 0, group)
+        self.weight = split_param(weight, 0, group)
         rows = self.weight.shape[0]
         self.start = self.weight._ze_tp_split.rank * rows
         self.end = self.start + rows
