@@ -215,9 +215,6 @@ def _check_tensor_parallel_config(cfg, mesh: ProcessMesh) -> None:
     if tp != mesh.tp and not (tp == 1 and mesh.tp > 1):
         raise ConfigError("tensor_parallel.autotp_size", f"{tp}, but the model's mesh splits tensors {mesh.tp} ways "
                           f"({mesh.describe()}); make them agree")
-    if mesh.tp > 1 and cfg.zero_optimization.stage == 3:
-        raise ConfigError("zero_optimization.stage", "stage 3 with tensor parallelism is not supported: use stage 1 "
-                          "or 2 (each rank's tensor slices are already 1/autotp_size of the layer)")
 
 
 def _split_tensors(cfg, model, mesh: ProcessMesh):
@@ -226,7 +223,13 @@ def _split_tensors(cfg, model, mesh: ProcessMesh):
     if mesh.tp == 1 or any(split_of(p) is not None for p in model.parameters()):
         return None
     from zeroengine.tensor_parallel.autotp import convert
+    from zeroengine.zero.init import is_init_partitioned
 
+    if any(is_init_partitioned(p) for p in model.parameters()):
+        raise ConfigError("tensor_parallel.autotp_size", f"{mesh.tp}, but the model was built under "
+                          "zeroengine.zero.Init, which already partitioned its weights over every rank; AutoTP "
+                          "cuts whole weights: build the model without Init (ZeRO 3 then partitions each tensor "
+                          "slice over the data-parallel group)")
     broadcast_initial_state(model)  # the whole model, the same on every rank, before each keeps its slices
     try:
         result = convert(model, mesh.tensor_group)

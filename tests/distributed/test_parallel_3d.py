@@ -85,7 +85,8 @@ def _hf(rank, world, name, tp, steps, save=None, load=None, stage=1):
         losses.append(zeroengine.comm.all_reduce_scalar(loss.item()) / world)
     if save:
         engine.save_checkpoint(save, tag="tp")
-    return {"losses": losses, "state": local_state(model)}
+    with zeroengine.zero.GatheredParameters(list(model.parameters())):  # (stage 3: this rank's tensor slices)
+        return {"losses": losses, "state": local_state(model)}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "mixtral"])
@@ -108,6 +109,58 @@ def test_autotp_checkpoint_loads_at_other_tensor_sizes(tmp_path, name):
     plain = build(name)
     plain.load_state_dict(torch.load(out), strict=False)  # (GPT-2's causal-mask buffers are not saved)
     assert all(torch.equal(plain.state_dict()[k].float(), saved[k]) for k in saved)
+
+
+def test_autotp_at_stage3_checkpoint_loads_at_stage1_and_one_rank(tmp_path):
+    """Llama-style at dp=2 × tp=2 under ZeRO 3 (each tensor slice partitioned over the data group): its
+    checkpoint resumes at tp=1 on 2 ranks under ZeRO 1, on one rank, and at its own layout, with the same
+    weights and the same next loss."""
+    saved = full_state([r["state"] for r in run_distributed(_hf, 4, "llama", 2, 2, save=str(tmp_path), stage=3)])
+    losses = {}
+    for world, tp, stage in [(4, 2, 3), (2, 1, 1), (1, 1, 0)]:
+        loaded = run_distributed(_hf, world, "llama", tp, 0, load=str(tmp_path), stage=stage)
+        got = full_state([r["state"] for r in loaded])
+        assert set(got) == set(saved) and all(torch.equal(got[k], saved[k]) for k in saved), (world, tp, stage)
+    for world, tp, stage in [(4, 2, 3), (2, 1, 1)]:
+        losses[world] = run_distributed(_hf, world, "llama", tp, 1, load=str(tmp_path), stage=stage)[0]["losses"]
+    assert losses[2] == pytest.approx(losses[4], abs=1e-5)
+
+
+def _stage3_memory(rank, world):
+    from parity import base_config
+    from test_real_models import build, loss_of
+    from test_tensor_parallel import global_batches
+
+    model = build("llama")
+    cfg = base_config(2, 1, 2, 1.0, lr=1e-3, stage=3)
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter partitioned
+    engine, *_ = zeroengine.initialize(model=model, config=cfg)
+    d = engine.mesh.dp_rank
+    engine.backward(loss_of(engine, (global_batches(2)[0][2 * d:2 * d + 2],)))
+    engine.step()
+    return {"mem": engine.memory_breakdown(), "psi": engine.optimizer.layout.param_numel,
+            "padded": engine.optimizer.layout.total_numel, "tp_rank": engine.mesh.tp_rank}
+
+
+def test_autotp_at_stage3_memory_follows_the_divided_formula():
+    """fp32 ZeRO 3 at dp=2 × tp=2: each rank keeps 1/N of its tensor slice's parameters, gradients and Adam
+    state (16 Ψ_rank / N), where Ψ_rank is Ψ/T plus the norms every tensor rank holds alike; estimate_memory's
+    16 Ψ/(T·N) is that up to the replicated norms."""
+    from test_real_models import build
+
+    n, t = 2, 2
+    total = sum(p.numel() for p in build("llama").parameters())
+    results = run_distributed(_stage3_memory, 4)
+    for r in results:
+        mem, padded = r["mem"], r["padded"]
+        assert mem["params"] == mem["grads"] == 4 * padded // n
+        assert mem["optimizer_states"] == 8 * padded // n
+        assert total / t <= r["psi"] <= total / t + total / 100  # the slice, plus a few replicated norms
+    predicted = zeroengine.estimate_memory(total, n, 3, tensor_parallel_size=t)["total"]
+    assert predicted == pytest.approx(16 * total / (t * n))
+    measured = results[0]["mem"]["params"] + results[0]["mem"]["grads"] + results[0]["mem"]["optimizer_states"]
+    assert predicted <= measured <= predicted * 1.01
 
 
 def _memory(rank, world):

@@ -74,10 +74,12 @@ def full_state(per_rank: list[dict]) -> dict:
     return out
 
 
-def _train(rank, world, name, tp, stage):
+def _train(rank, world, name, tp, stage, offload=""):
     dp = world // tp
     model = build(name)
     cfg = base_config(MICRO, 1, dp, CLIP, lr=LR, stage=stage)
+    for what in filter(None, offload.split("+")):  # "optimizer", "param": kept in CPU memory (the C++ Adam steps)
+        cfg["zero_optimization"][f"offload_{what}"] = {"device": "cpu"}
     cfg["tensor_parallel"] = {"autotp_size": tp}
     engine, *_ = zeroengine.initialize(model=model, config=cfg)
     losses = []
@@ -89,17 +91,20 @@ def _train(rank, world, name, tp, stage):
         losses.append(zeroengine.comm.all_reduce_scalar(loss.item()) / world)
     tied = getattr(model, "lm_head", None) is not None and hasattr(model, "transformer") and \
         model.lm_head.weight is model.transformer.wte.weight
-    return {"losses": losses, "state": local_state(model), "autotp": engine.autotp, "tied": tied,
+    with zeroengine.zero.GatheredParameters(list(model.parameters())):  # (stage 3: this rank's tensor slices)
+        state = local_state(model)
+    return {"losses": losses, "state": state, "autotp": engine.autotp, "tied": tied,
             "norm": engine.get_global_grad_norm()}
 
 
-@pytest.mark.parametrize("name,world,stage", [
+@pytest.mark.parametrize("name,world,stage,offload", [(*case, "") for case in [
     ("gpt2", 2, 1), ("llama", 2, 1), ("mixtral", 2, 1),
     ("gpt2", 4, 0), ("llama", 4, 1), ("gpt2", 4, 2), ("mixtral", 4, 2), ("qwen2_moe", 2, 1), ("deepseek_v3", 2, 2),
-])
-def test_autotp_matches_one_process(name, world, stage):
+    ("gpt2", 4, 3), ("llama", 4, 3), ("mixtral", 4, 3),
+]] + [("llama", 4, 2, "optimizer"), ("gpt2", 4, 3, "optimizer+param")])
+def test_autotp_matches_one_process(name, world, stage, offload):
     tp = 2
-    results = run_distributed(_train, world, name, tp, stage)
+    results = run_distributed(_train, world, name, tp, stage, offload)
     ref_losses, ref_params, ref_norm = reference(name, world // tp)
     assert results[0]["autotp"].layers >= 2 and results[0]["autotp"].embeddings.startswith("vocab-parallel")
     for r in results:
@@ -228,3 +233,18 @@ def test_a_megatron_mpu_gives_the_data_and_tensor_groups():
         torch.testing.assert_close(state[n], p.detach(), atol=1e-5, rtol=0, msg=n)
     assert all(r["dp"] == 2 and r["partitioned_over"] == 2 for r in results)
     assert results[0]["norm"] == pytest.approx(float(norm), rel=1e-5)
+
+
+def _built_under_init(rank, world):
+    cfg = base_config(MICRO, 1, 1, CLIP, lr=LR, stage=3)
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    with zeroengine.zero.Init(config_dict_or_path=cfg):
+        model = build("llama")
+    with pytest.raises(zeroengine.ConfigError, match=r"tensor_parallel\.autotp_size.*zeroengine\.zero\.Init"):
+        zeroengine.initialize(model=model, config=cfg)
+    return True
+
+
+def test_a_model_built_under_zero_init_is_refused_with_the_reason():
+    """AutoTP cuts whole weights; Init's are already partitioned over the world (not the data group)."""
+    assert run_distributed(_built_under_init, 2) == [True, True]
