@@ -1,4 +1,4 @@
-"""Pipeline parallelism on CPU ranks: the bubble and the activations held by GPipe and 1F1B, and DeepSpeed's 1F1B.
+"""Pipeline parallelism on CPU ranks: the bubble and activations of GPipe, 1F1B and interleaved 1F1B; DeepSpeed's 1F1B.
 
     python benchmarks/bench_pipeline.py [--stages 2,4] [--micro-batches 4,8] [--steps 5] [--no-deepspeed]
                                         [--quick] [--out benchmarks/results/pipeline.json]
@@ -11,7 +11,8 @@ stages of equal blocks (``partition_method="type:Block"``): per-stage compute fa
 transfers (a few hundred KiB per micro-batch), so what stages wait for is mostly each other.
 
 * One gloo world per p (``zeroengine.testing.run_distributed``) holds every engine at that p: zeroengine
-  GPipe and 1F1B at each m (``gradient_accumulation_steps``, ZeRO stage 1, torch AdamW), and at p = 2
+  GPipe, 1F1B and interleaved 1F1B (``virtual_stages`` v = 2: the blocks cut into 2p chunks, rank s holding
+  chunks s and s + p) at each m (``gradient_accumulation_steps``, ZeRO stage 1, torch AdamW), and at p = 2
   DeepSpeed 0.19.8's ``PipelineEngine`` (its 1F1B ``TrainSchedule``, the same ZeRO stage and optimizer) at
   the largest m. Every engine starts from the same weights (the same seeded layer list) and sees the same
   micro-batches at each step.
@@ -26,10 +27,12 @@ transfers (a few hundred KiB per micro-batch), so what stages wait for is mostly
   equal pass times the mean over stages is below the textbook value. ``makespan`` is the textbook's own
   definition, 1 - (mean busy time) / (longest window), per round (windows start together after the
   barrier), median over rounds. Beside them: ``zeroengine.pipe.schedule.simulate`` (forward 1, backward 2,
-  free communication) and the textbook (p - 1) / (m + p - 1).
+  free communication) and the textbook (p - 1) / (m + p - 1), for interleaving (p - 1) / (v·m + p - 1).
+  Interleaving sends v times the messages, so its measured bubble also holds v times the transfers.
 * Activations: one more round with ``engine.measure_activations = True`` (its hooks cost time, so it is
   not timed): ``peak_saved_bytes`` (activation bytes autograd held saved for backward at once) and
-  ``max_in_flight`` per stage; 1F1B holds min(p - s, m) micro-batches on stage s, GPipe m.
+  ``max_in_flight`` per stage; 1F1B holds min(p - s, m) micro-batches on stage s, GPipe m, interleaved
+  min(2(p - s - 1) + (v - 1)p + 1, v·m) chunk-passes (each 1/v of the stage's layers).
 
 p = 4 on a 2-core machine is oversubscribed (4 single-threaded ranks on 2 cores): a stage can wait on a
 neighbour that is runnable but descheduled, so its bubble there is an upper bound; the table says so.
@@ -53,7 +56,8 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CHUNKS = {"interleaved": 2}  # virtual_stages per schedule (1 where not listed)
 OPTIMIZER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 
 
@@ -88,7 +92,8 @@ def ze_engine(spec: dict, stages: int, m: int, schedule: str):
     import zeroengine
     from zeroengine.pipe import PipelineModule
 
-    module = PipelineModule(make_layers(spec), num_stages=stages, loss_fn=mse, partition_method="type:Block")
+    module = PipelineModule(make_layers(spec), num_stages=stages, loss_fn=mse, partition_method="type:Block",
+                            virtual_stages=CHUNKS.get(schedule, 1))
     cfg = {"train_micro_batch_size_per_gpu": spec["tokens"], "gradient_accumulation_steps": m,
            "train_batch_size": spec["tokens"] * m, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "AdamW", "params": {**OPTIMIZER, "torch_adam": True}},
@@ -191,12 +196,13 @@ def summarise_world(per_rank: list[dict], spec: dict, stages: int) -> dict:
             makespan = statistics.median(  # per round: 1 - mean busy time / the longest schedule window
                 1 - statistics.mean(t - w for t, w in zip(sched, waits)) / max(sched)
                 for sched, waits in zip(zip(*(r["schedule_s"] for r in runs)), zip(*(r["recv_wait_s"] for r in runs))))
-            sim = simulate(s, stages, m)
+            v = CHUNKS.get(s, 1)
+            sim = simulate(s, stages, m, chunks=v)
             steps = slowest_rank(per_rank, f"{s}/m{m}")
-            rows.append({"stages": stages, "micro_batches": m, "schedule": s,
+            rows.append({"stages": stages, "micro_batches": m, "schedule": s, "virtual_stages": v,
                          "oversubscribed": stages > (os.cpu_count() or 1),
                          "bubble": {"measured": statistics.mean(bubble), "per_stage": bubble, "makespan": makespan,
-                                    "simulated": sim["bubble"], "formula": (stages - 1) / (m + stages - 1)},
+                                    "simulated": sim["bubble"], "formula": (stages - 1) / (v * m + stages - 1)},
                          "step_s": statistics.median(steps), "step_s_runs": steps,
                          "schedule_s_per_stage": [statistics.median(r["schedule_s"]) for r in runs],
                          "recv_wait_s_per_stage": [statistics.median(r["recv_wait_s"]) for r in runs],
@@ -206,11 +212,14 @@ def summarise_world(per_rank: list[dict], spec: dict, stages: int) -> dict:
                          "losses": runs[-1]["losses"]})
     memory = []
     for m in spec["micro_batches"]:
-        g, o = (next(r for r in rows if r["micro_batches"] == m and r["schedule"] == s) for s in SCHEDULES)
+        g, o, v = (next(r for r in rows if r["micro_batches"] == m and r["schedule"] == s) for s in SCHEDULES)
         memory.append({"stages": stages, "micro_batches": m, "per_stage": [
             {"stage": i, "gpipe_bytes": g["peak_saved_bytes"][i], "1f1b_bytes": o["peak_saved_bytes"][i],
+             "interleaved_bytes": v["peak_saved_bytes"][i],
              "ratio": g["peak_saved_bytes"][i] / max(o["peak_saved_bytes"][i], 1),
-             "gpipe_in_flight": g["max_in_flight"][i], "1f1b_in_flight": o["max_in_flight"][i]}
+             "interleaved_over_1f1b": v["peak_saved_bytes"][i] / max(o["peak_saved_bytes"][i], 1),
+             "gpipe_in_flight": g["max_in_flight"][i], "1f1b_in_flight": o["max_in_flight"][i],
+             "interleaved_in_flight": v["max_in_flight"][i]}
             for i in range(stages)]})
     return {"rows": rows, "memory": memory}
 
@@ -237,12 +246,12 @@ def print_tables(result: dict) -> None:
     steps = result["steps"]
     print(f"\nbubble: measured = recv_wait_s / schedule_s, median of {steps} steps per stage, mean over stages; "
           "step = slower rank's train_batch, median")
-    print(f"{'p':>2} {'m':>2} {'schedule':>8} {'step ms':>8} {'measured':>8} {'per stage':>24} {'makespan':>8} "
+    print(f"{'p':>2} {'m':>2} {'schedule':>11} {'step ms':>8} {'measured':>8} {'per stage':>24} {'makespan':>8} "
           f"{'simulate':>8} {'formula':>7}  {'in flight (per stage)':>21} {'expected':>9}")
     for r in result["runs"]:
         b = r["bubble"]
         flag = " *" if r["oversubscribed"] else ""
-        print(f"{r['stages']:>2} {r['micro_batches']:>2} {r['schedule']:>8} {r['step_s'] * 1e3:8.0f} "
+        print(f"{r['stages']:>2} {r['micro_batches']:>2} {r['schedule']:>11} {r['step_s'] * 1e3:8.0f} "
               f"{b['measured']:8.3f} {'/'.join(f'{x:.2f}' for x in b['per_stage']):>24} {b['makespan']:8.3f} "
               f"{b['simulated']:8.3f} "
               f"{b['formula']:7.3f}  {'/'.join(map(str, r['max_in_flight'])):>21} "
@@ -251,12 +260,14 @@ def print_tables(result: dict) -> None:
         print(f"* oversubscribed: {max(r['stages'] for r in result['runs'])} single-threaded ranks on "
               f"{result['cpus']} cores; a stage also waits on runnable but descheduled neighbours")
     print("\npeak activation bytes saved for backward, per stage (measure_activations)")
-    print(f"{'p':>2} {'m':>2} {'stage':>5} {'gpipe MiB':>10} {'1f1b MiB':>9} {'gpipe/1f1b':>10} {'in flight g/1':>13}")
+    print(f"{'p':>2} {'m':>2} {'stage':>5} {'gpipe MiB':>10} {'1f1b MiB':>9} {'interl. MiB':>11} {'gpipe/1f1b':>10} "
+          f"{'interl./1f1b':>12} {'in flight g/1/i':>15}")
     for mem in result["memory"]:
         for s in mem["per_stage"]:
+            flight = f"{s['gpipe_in_flight']}/{s['1f1b_in_flight']}/{s['interleaved_in_flight']}"
             print(f"{mem['stages']:>2} {mem['micro_batches']:>2} {s['stage']:>5} {s['gpipe_bytes'] / 2**20:10.2f} "
-                  f"{s['1f1b_bytes'] / 2**20:9.2f} {s['ratio']:10.2f} "
-                  f"{str(s['gpipe_in_flight']) + '/' + str(s['1f1b_in_flight']):>13}")
+                  f"{s['1f1b_bytes'] / 2**20:9.2f} {s['interleaved_bytes'] / 2**20:11.2f} {s['ratio']:10.2f} "
+                  f"{s['interleaved_over_1f1b']:12.2f} {flight:>15}")
     ds = result["deepspeed"]
     print()
     if "error" in ds or "skipped" in ds:

@@ -63,8 +63,10 @@ def layers(blocks: int = 6, tied: bool = True, masked: bool = False) -> list:
 def pipe_model(stages: int, **kwargs) -> PipelineModule:
     partition = kwargs.pop("partition_method", "type:Block")
     interval = kwargs.pop("activation_checkpoint_interval", 0)
+    virtual = kwargs.pop("virtual_stages", 1)
     return PipelineModule(layers(**kwargs), num_stages=stages, loss_fn=lm_loss, seed_layers=True,
-                          partition_method=partition, activation_checkpoint_interval=interval)
+                          partition_method=partition, activation_checkpoint_interval=interval,
+                          virtual_stages=virtual)
 
 
 def batches(steps: int, micro_batches: int, dp: int, micro: int = 2, seed: int = 3):

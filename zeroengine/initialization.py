@@ -252,6 +252,7 @@ def _check_pipeline_config(cfg, model) -> None:
         if stages != "auto" and stages != model.num_stages:
             raise ConfigError("pipeline.stages", f"{stages}, but the PipelineModule has num_stages={model.num_stages}; "
                               "set it to \"auto\" or to the module's value")
+        _check_interleaving(cfg, model)
         if cfg.zero_optimization.stage > 1 and model.num_stages > 1:
             raise ConfigError("zero_optimization.stage", f"stage {cfg.zero_optimization.stage} with a PipelineModule: "
                               "pipeline parallelism composes with ZeRO stages 0 and 1 (as in DeepSpeed): stage 2 "
@@ -260,6 +261,20 @@ def _check_pipeline_config(cfg, model) -> None:
     elif stages != "auto" and stages > 1:
         raise ConfigError("pipeline.stages", f"{stages} stages, but the model is not a zeroengine.pipe.PipelineModule; "
                           "build it as one (its layers as a list) to train it as a pipeline")
+
+
+def _check_interleaving(cfg, model) -> None:
+    schedule, chunks, stages = cfg.pipeline.schedule, model.virtual_stages, model.num_stages
+    if schedule == "interleaved" and chunks == 1:
+        raise ConfigError("pipeline.schedule", "\"interleaved\" needs model chunks to interleave: build the "
+                          "PipelineModule with virtual_stages > 1 (or use \"1f1b\")")
+    if chunks > 1 and schedule == "gpipe":
+        raise ConfigError("pipeline.schedule", f"\"gpipe\", but the PipelineModule has virtual_stages={chunks}, "
+                          "which run the interleaved 1F1B schedule: set \"interleaved\" (or \"1f1b\")")
+    steps = cfg.gradient_accumulation_steps
+    if chunks > 1 and steps % stages:
+        raise ConfigError("gradient_accumulation_steps", f"{steps} micro-batches per step, but the interleaved "
+                          f"schedule of {stages} stages needs a multiple of {stages}")
 
 
 def _convert_moe_blocks(cfg, model):

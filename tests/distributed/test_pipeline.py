@@ -1,8 +1,8 @@
 """Pipeline parallelism (zeroengine.pipe) against one process training the same layers on the same global batch.
 
 Each run trains a small language model (an embedding tied to the LM head, residual MLP blocks) split into
-2 or 4 stages, 4-8 micro-batches per step, under GPipe and 1F1B, alone and with data parallelism at ZeRO
-stages 0 and 1. The reference is the same PipelineModule at one stage in one process, stepping a torch
+2 or 4 stages, 4-8 micro-batches per step, under GPipe, 1F1B and interleaved 1F1B (2 or 3 model chunks
+per stage), alone and with data parallelism at ZeRO stages 0 and 1. The reference is the same PipelineModule at one stage in one process, stepping a torch
 AdamW on the mean loss of every replica's micro-batches. fp32 results must agree within 1e-5 (what differs
 is only the order in which the tied weight's two gradients and the replicas' gradients are summed).
 """
@@ -74,6 +74,40 @@ def test_untied_model_with_tuple_activations_and_recompute():
     results = run_distributed(train, 4, 4, 6, schedule="1f1b", model_kwargs=kwargs)
     ref_losses, ref_state = reference(STEPS, 6, 1, masked=True, partition_method="parameters")
     assert_matches(results, ref_losses, ref_state)
+
+
+@pytest.mark.parametrize("stages,world,micro_batches,stage,schedule,chunks", [
+    (2, 2, 4, 1, "interleaved", 2), (2, 2, 4, 0, "1f1b", 3), (4, 4, 8, 1, "interleaved", 2),
+    (2, 4, 4, 1, "interleaved", 2),
+])
+def test_interleaved_pipeline_matches_one_process(stages, world, micro_batches, stage, schedule, chunks):
+    """v model chunks per stage: a micro-batch crosses the ranks v times (at 2 stages both ways between the
+    same two ranks), the tied embedding lives on the first chunk of stage 0 and the head on the last chunk
+    of the last stage; the numbers are the one-process ones."""
+    kwargs = {"virtual_stages": chunks}
+    results = run_distributed(train, world, stages, micro_batches, stage=stage, schedule=schedule,
+                              model_kwargs=kwargs)
+    ref_losses, ref_state = reference(STEPS, micro_batches, world // stages)
+    assert_matches(results, ref_losses, ref_state)
+    assert len({r["norm"] for r in results}) == 1 and results[0]["norm"] > 1.0
+    # chunk-passes in flight: the warm-up, 2(p-s-1) + (v-1)p, plus one
+    expected = {s: min(2 * (stages - s - 1) + (chunks - 1) * stages + 1, micro_batches * chunks)
+                for s in range(stages)}
+    assert {r["stage"]: r["stats"]["max_in_flight"] for r in results} == expected
+
+
+def test_interleaved_recompute_and_checkpoint_to_a_plain_layout(tmp_path):
+    """Recomputed layers per chunk; the checkpoint of 2 stages × 2 chunks loads at one stage and at 2 stages
+    without chunks, exactly (the layers keep their names)."""
+    kwargs = {"virtual_stages": 2, "activation_checkpoint_interval": 1}
+    save = str(tmp_path)
+    results = run_distributed(train, 2, 2, 4, schedule="interleaved", model_kwargs=kwargs, save=save)
+    ref_losses, ref_state = reference(STEPS, 4, 1)
+    assert_matches(results, ref_losses, ref_state)
+    saved = merged_state(results)
+    for stages in (1, 2):
+        loaded = merged_state(run_distributed(train, stages, stages, 4, steps=0, load=save))
+        assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -157,6 +191,13 @@ def _errors(rank, world):
         engine.train_batch(iter(batches(1, 4, 1)[0][0][:3]))
     except ValueError as err:
         problems["short"] = str(err)
+    for name, model, cfg in [("interleaved_v1", pipe_model(2), config(1, 4, schedule="interleaved")),
+                             ("gpipe_v2", pipe_model(2, virtual_stages=2), config(1, 4, schedule="gpipe")),
+                             ("uneven_v2", pipe_model(2, virtual_stages=2), config(1, 3))]:
+        try:
+            zeroengine.initialize(model=model, config=cfg)
+        except ConfigError as err:
+            problems[name] = str(err)
     return problems
 
 
@@ -166,6 +207,9 @@ def test_errors_name_the_problem():
     assert "pipeline.stages" in problems["stages"] and "num_stages=2" in problems["stages"]
     assert "train_batch" in problems["forward"]
     assert "ran out at micro-batch 3" in problems["short"]
+    assert "pipeline.schedule" in problems["interleaved_v1"] and "virtual_stages > 1" in problems["interleaved_v1"]
+    assert "pipeline.schedule" in problems["gpipe_v2"] and "virtual_stages=2" in problems["gpipe_v2"]
+    assert "gradient_accumulation_steps" in problems["uneven_v2"] and "multiple of 2" in problems["uneven_v2"]
 
 
 def _uneven(rank, world):
@@ -179,14 +223,22 @@ def test_world_not_divisible_by_stages():
     assert "must divide the world size" in run_distributed(_uneven, 3)[0]
 
 
+def test_virtual_stages_need_more_than_one_stage():
+    with pytest.raises(ValueError, match="nothing to interleave"):
+        PipelineModule(layers(), num_stages=1, virtual_stages=2)
+    with pytest.raises(ValueError, match="virtual_stages must be an integer >= 1"):
+        PipelineModule(layers(), num_stages=1, virtual_stages=0)
+
+
 def test_one_stage_in_one_process_needs_no_world():
     model = PipelineModule(layers(), num_stages=1, loss_fn=lm_loss)
     x, y = batches(1, 1, 1)[0][0][0]
-    assert model.stage_layers == range(len(layers())) and lm_loss(model(x), y).dim() == 0
+    assert model.stage_layers == list(range(len(layers()))) and lm_loss(model(x), y).dim() == 0
 
 
-def _eval(rank, world, stages):
-    engine, *_ = zeroengine.initialize(model=pipe_model(stages), config=config(world // stages, 4))
+def _eval(rank, world, stages, chunks=1):
+    engine, *_ = zeroengine.initialize(model=pipe_model(stages, virtual_stages=chunks),
+                                       config=config(world // stages, 4))
     data = batches(1, 4, world // stages)[0][engine.mesh.dp_rank]
     loss = float(engine.eval_batch(iter(data)))
     losses, logits = engine.eval_batch(iter(data), return_logits=True, reduce_output=None)
@@ -195,11 +247,12 @@ def _eval(rank, world, stages):
             "logits": None if logits is None else len(logits), "trained": trained, "training": engine.module.training}
 
 
-def test_eval_batch_is_the_forward_of_train_batch():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_eval_batch_is_the_forward_of_train_batch(chunks):
     """eval_batch's mean loss on every stage equals the one-process forward; with reduce_output=None the last
     stage returns each micro-batch's loss and, with return_logits, its outputs; the next train_batch starts from
-    the same weights (its loss is the same)."""
-    results = run_distributed(_eval, 4, 2)
+    the same weights (its loss is the same). Also with 2 model chunks per stage."""
+    results = run_distributed(_eval, 4, 2, chunks)
     model = pipe_model(1).eval()
     per_replica = batches(1, 4, 2)[0]
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism on CUDA with NCCL (skipped without CUDA; the multi-rank cases without enough
 GPUs). One GPU runs the single-rank paths: a one-stage PipelineModule through train_batch, tensor-parallel layers
 and the vocabulary-parallel loss at size 1, all against the same computation on the CPU. With 2 GPUs the tp=2
-and pp=2 paths (NCCL all-reduces, point-to-point activations) match the CPU reference, as the gloo tests do."""
+and pp=2 paths (NCCL all-reduces, point-to-point activations, interleaved virtual stages) match the CPU
+reference, as the gloo tests do."""
 import os
 import socket
 import sys
@@ -41,7 +42,9 @@ def _run(kind: str, world: int):
 
     if kind.startswith("pipe"):
         stages = world
-        engine, *_ = zeroengine.initialize(model=pipe_model(stages), config=config(1, 4, stage=1))
+        chunks = 2 if kind == "pipe-interleaved" else 1
+        engine, *_ = zeroengine.initialize(model=pipe_model(stages, virtual_stages=chunks),
+                                           config=config(1, 4, stage=1))
         losses = [float(engine.train_batch(iter(b[0]))) for b in batches(2, 4, 1)]
         return losses, {k: v.float().cpu() for k, v in engine.module.state_dict().items()}
     from test_real_models import build, loss_of
@@ -83,9 +86,11 @@ def _cpu_pipe_reference():
     return reference(2, 4, 1)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_pipeline_on_nccl_matches_the_cpu_reference(world):
-    results = _spawn(world, "pipe")
+@pytest.mark.parametrize("world,kind", [(1, "pipe"), (2, "pipe"), (2, "pipe-interleaved")])
+def test_pipeline_on_nccl_matches_the_cpu_reference(world, kind):
+    """pipe-interleaved: 2 chunks per stage, so the two GPUs exchange activations and gradients both ways (the
+    gradients in a group of their own: NCCL matches point-to-point messages in posting order)."""
+    results = _spawn(world, kind)
     ref_losses, ref_state = _cpu_pipe_reference()
     state = {}
     for losses, s in results:

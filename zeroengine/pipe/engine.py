@@ -8,6 +8,10 @@ data iterator, ``(inputs, labels)``: the first feeds ``inputs`` to its layers, t
 micro-batches; the last backward is the accumulation boundary, where the data-parallel reduction of the
 ZeRO stage runs (and the tied weights' gradients meet at their owner first). The step then runs as
 ``engine.step()`` would, its gradient norm summed over every stage.
+
+With virtual stages (``PipelineModule(virtual_stages=v)``) each stage runs v model chunks; a micro-batch goes
+round the ranks v times (the last stage's chunk c feeds the first stage's chunk c + 1), in the interleaved
+schedule's order. The first stage's chunk 0 reads the inputs and the last stage's last chunk the labels.
 """
 from __future__ import annotations
 
@@ -33,9 +37,14 @@ class PipelineEngine(Engine):
         mesh = self.mesh
         self.schedule = schedule
         self.stage_id, self.num_stages = mesh.pp_rank, mesh.pp
-        prev_rank = mesh.stage_rank(self.stage_id - 1) if self.stage_id > 0 else None
-        next_rank = mesh.stage_rank(self.stage_id + 1) if self.stage_id < self.num_stages - 1 else None
-        self.link = StageLink(prev_rank, next_rank, self.device)
+        self.chunks = self.module.virtual_stages
+        if self.chunks > 1:  # a ring: the last stage's chunks feed the first stage's next ones
+            prev_rank = mesh.stage_rank((self.stage_id - 1) % self.num_stages)
+            next_rank = mesh.stage_rank((self.stage_id + 1) % self.num_stages)
+        else:
+            prev_rank = mesh.stage_rank(self.stage_id - 1) if self.stage_id > 0 else None
+            next_rank = mesh.stage_rank(self.stage_id + 1) if self.stage_id < self.num_stages - 1 else None
+        self.link = StageLink(prev_rank, next_rank, self.device, grad_group=self.module.grad_channel)
         self.data_iterator = None
         self.training_dataloader = None
         # What the last train_batch held and took: the most micro-batches with activations alive at once; (when
@@ -76,18 +85,18 @@ class PipelineEngine(Engine):
         self._refuse_if_destroyed("train_batch")
         self.module.train()
         data = self._iterator(data_iter)
-        order = schedule_for(self.schedule, self.stage_id, self.num_stages, self.micro_batches)
+        order = schedule_for(self.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)
         run = _MicroBatches(self, data, train=True)
         backwards = 0
         self.link.wait_s, start = 0.0, time.perf_counter()
         try:
             with _SavedBytes(self.measure_activations, self.module) as saved:
-                for op, i in order:
+                for op, chunk, i in order:
                     if op == "F":
-                        run.forward(i)
+                        run.forward(chunk, i)
                     else:
                         backwards += 1
-                        run.backward(i, boundary=backwards == self.micro_batches)
+                        run.backward(chunk, i, boundary=backwards == len(order) // 2)
             self.link.finish()
         except BaseException:
             self.optimizer.zero_grad()
@@ -116,7 +125,8 @@ class PipelineEngine(Engine):
         count = num_micro_batches or self.micro_batches
         try:
             for i in range(count):
-                run.forward(i)
+                for chunk in range(self.chunks):  # (messages between two ranks keep this order on both)
+                    run.forward(chunk, i)
             self.link.finish()
         finally:
             self.module.train(was_training)
@@ -191,20 +201,20 @@ class _MicroBatches:
             return engine.policy.cast_input(x) if cast else x
         return x
 
-    def forward(self, i: int) -> None:
+    def forward(self, chunk: int, i: int) -> None:
         engine = self.engine
         module = engine.module
-        first, last = engine.is_first_stage(), engine.is_last_stage()
+        first, last = module.is_first_chunk(chunk), module.is_last_chunk(chunk)
         batch = self._next_batch(i) if first or last else None
         if first:
             inputs = self._to_device(batch[0], cast=True)
         else:
             inputs = engine.link.recv_activations()
-        outputs = module(inputs)
+        outputs = module(inputs, chunk) if engine.chunks > 1 else module(inputs)
         if not last:
             engine.link.send_activations(outputs)
             if self.train:
-                self.inputs[i], self.outputs_of[i] = inputs, outputs
+                self.inputs[chunk, i], self.outputs_of[chunk, i] = inputs, outputs
         else:
             if not self.train:
                 self.outputs.append(outputs)
@@ -216,32 +226,33 @@ class _MicroBatches:
                                      "loss_fn(outputs, labels), or make the last layer return the loss")
                 self.losses.append(loss)
                 if self.train:
-                    self.inputs[i] = inputs
+                    self.inputs[chunk, i] = inputs
         if self.train:
             self.live += 1
             self.peak_in_flight = max(self.peak_in_flight, self.live)
 
-    def backward(self, i: int, boundary: bool) -> None:
+    def backward(self, chunk: int, i: int, boundary: bool) -> None:
         engine = self.engine
         optimizer = engine.optimizer
+        first, last = engine.module.is_first_chunk(chunk), engine.module.is_last_chunk(chunk)
         optimizer.begin_backward(boundary)
         try:
             with engine_backward():
-                if engine.is_last_stage():
+                if last:
                     scaled = self.losses[i].float() / engine.micro_batches
                     if optimizer.loss_scaler is not None:
                         scaled = scaled * optimizer.loss_scale
                     scaled.backward()
                 else:
-                    stage_outputs = self.outputs_of.pop(i)
+                    stage_outputs = self.outputs_of.pop((chunk, i))
                     grads = engine.link.recv_grads(stage_outputs)
                     outputs = [t for t in as_tuple(stage_outputs) if needs_grad(t)]
                     if outputs:
                         torch.autograd.backward(outputs, grads)
-            inputs = self.inputs.pop(i)
-            if not engine.is_first_stage():
+            inputs = self.inputs.pop((chunk, i))
+            if not first:
                 engine.link.send_grads(inputs)
-            if engine.is_last_stage():
+            if last:
                 self.losses[i] = self.losses[i].detach()  # its graph is spent
             if boundary:
                 engine.module.reduce_tied_grads()

@@ -28,8 +28,9 @@ def needs_grad(t: torch.Tensor) -> bool:
 
 
 class StageLink:
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device):
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device, grad_group=None):
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self.grad_group = grad_group  # gradients travel in a group of their own (the default group when None)
         self.sends: list = []  # handles of sends in flight, and the tensors they read
         self._keep: list = []
         self.wait_s = 0.0  # time spent blocked in receives (the stage idle: the pipeline's bubble, and transfers)
@@ -72,7 +73,7 @@ class StageLink:
         """The gradients of the received ``inputs`` that needed one, back to the previous stage."""
         for t in as_tuple(inputs):
             if needs_grad(t):
-                self._send(t.grad if t.grad is not None else torch.zeros_like(t), self.prev_rank)
+                self._send(t.grad if t.grad is not None else torch.zeros_like(t), self.prev_rank, self.grad_group)
 
     def recv_grads(self, outputs) -> list[torch.Tensor]:
         """The next stage's gradients for this stage's ``outputs`` that needed one, in order."""
@@ -80,17 +81,17 @@ class StageLink:
         for t in as_tuple(outputs):
             if needs_grad(t):
                 g = torch.empty_like(t, memory_format=torch.contiguous_format)
-                self._recv(g, self.next_rank)
+                self._recv(g, self.next_rank, self.grad_group)
                 grads.append(g)
         return grads
 
-    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+    def _recv(self, tensor: torch.Tensor, src: int, group=None) -> None:
         start = time.perf_counter()
-        comm.recv(tensor, src)
+        comm.recv(tensor, src, group=group)
         self.wait_s += time.perf_counter() - start
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.sends.append(comm.isend(tensor, dst))
+    def _send(self, tensor: torch.Tensor, dst: int, group=None) -> None:
+        self.sends.append(comm.isend(tensor, dst, group=group))
         self._keep.append(tensor)  # alive until its send completes
 
     def finish(self) -> None:

@@ -8,6 +8,10 @@ A stage's forward is ``x = layer(x)`` over its layers in order; an input that is
 each layer (DeepSpeed's convention), so layers that carry several tensors (hidden states and a mask) take
 and return tuples. With ``activation_checkpoint_interval`` k, every k consecutive layers run under
 :func:`zeroengine.checkpointing.checkpoint` (recomputed in backward).
+
+``virtual_stages`` v > 1 (Megatron's virtual pipeline) cuts the layers into p·v parts; rank s holds parts
+s, s + p, ..., s + (v-1)p as its v model chunks, and the engine runs the interleaved 1F1B schedule over them.
+The layers keep their names, so a checkpoint moves between interleaved and plain layouts.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ class PipelineModule(torch.nn.Module):
     def __init__(self, layers, num_stages: int | None = None, topology: ProcessMesh | None = None,
                  loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
                  base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 activation_checkpoint_func: Callable | None = None, checkpointable_layers=None):
+                 activation_checkpoint_func: Callable | None = None, checkpointable_layers=None,
+                 virtual_stages: int = 1):
         super().__init__()
         if num_stages is None and topology is None:
             raise ValueError("PipelineModule: give num_stages (or a topology: a zeroengine.parallel.ProcessMesh)")
@@ -56,14 +61,25 @@ class PipelineModule(torch.nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"PipelineModule: virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+        if virtual_stages > 1 and self.num_stages == 1:
+            raise ValueError("PipelineModule: virtual_stages > 1 interleaves model chunks across pipeline stages; "
+                             "with one stage there is nothing to interleave (use num_stages > 1)")
+        self.virtual_stages = virtual_stages
+        # boundaries of the p·v virtual stages; virtual stage k runs on rank k % p as its chunk k // p
         self.parts = balanced_parts(layer_weights(partition_method, self.layer_specs, self._count_params),
-                                    self.num_stages)
+                                    self.num_stages * virtual_stages)
         self.tied_modules = torch.nn.ModuleDict()
         self.tied_stages = self._tied_stages()
-        self.forward_funcs: list[Callable] = []
+        self.chunk_funcs: list[list[Callable]] = []
         self._build_stage()
         self.tie_groups = self._make_tie_groups()
         self._mark_tied_copies()
+        # Interleaved, the pair of neighbouring ranks carries activations one way and gradients the other, and
+        # with two stages both ways at once: gradients get a channel (group) of their own, so a receive never
+        # meets the other kind's message first (NCCL matches point-to-point messages in order).
+        self.grad_channel = self._make_pipe_groups() if virtual_stages > 1 else None
 
     # -- construction -----------------------------------------------------------------------------------
     def _count_params(self, index: int) -> int:
@@ -75,13 +91,23 @@ class PipelineModule(torch.nn.Module):
             return sum(p.numel() for p in layer.parameters() if p.requires_grad)
         return 0
 
+    def chunk_layers(self, chunk: int) -> range:
+        """Indices (in the whole layer list) of the layers of this stage's model chunk ``chunk``."""
+        virtual = chunk * self.num_stages + self.stage_id
+        return range(self.parts[virtual], self.parts[virtual + 1])
+
     @property
-    def stage_layers(self) -> range:
-        """Indices (in the whole layer list) of the layers this stage runs."""
-        return range(self.parts[self.stage_id], self.parts[self.stage_id + 1])
+    def stage_layers(self) -> list[int]:
+        """Indices (in the whole layer list) of the layers this stage runs, chunk by chunk."""
+        return [i for c in range(self.virtual_stages) for i in self.chunk_layers(c)]
+
+    @property
+    def forward_funcs(self) -> list[Callable]:
+        return [f for funcs in self.chunk_funcs for f in funcs]
 
     def stage_of_layer(self, index: int) -> int:
-        return next(s for s in range(self.num_stages) if self.parts[s] <= index < self.parts[s + 1])
+        virtual = next(k for k in range(len(self.parts) - 1) if self.parts[k] <= index < self.parts[k + 1])
+        return virtual % self.num_stages
 
     def _tied_stages(self) -> dict[str, list[int]]:
         """key -> the stages that use it, ascending (the first owns the weights)."""
@@ -94,22 +120,25 @@ class PipelineModule(torch.nn.Module):
         return stages
 
     def _build_stage(self) -> None:
-        for index in self.stage_layers:
-            layer = self.layer_specs[index]
-            if isinstance(layer, TiedLayerSpec):
-                if layer.key not in self.tied_modules:
-                    self.tied_modules[layer.key] = self._seeded(index, layer.build)
-                module = self.tied_modules[layer.key]
-                self.forward_funcs.append(functools.partial(layer.forward_fn, module) if layer.forward_fn else module)
-            elif isinstance(layer, LayerSpec):
-                module = self._seeded(index, layer.build)
-                self.add_module(str(index), module)
-                self.forward_funcs.append(module)
-            elif isinstance(layer, torch.nn.Module):
-                self.add_module(str(index), layer)
-                self.forward_funcs.append(layer)
-            else:
-                self.forward_funcs.append(layer)
+        for chunk in range(self.virtual_stages):
+            funcs = []
+            for index in self.chunk_layers(chunk):
+                layer = self.layer_specs[index]
+                if isinstance(layer, TiedLayerSpec):
+                    if layer.key not in self.tied_modules:
+                        self.tied_modules[layer.key] = self._seeded(index, layer.build)
+                    module = self.tied_modules[layer.key]
+                    funcs.append(functools.partial(layer.forward_fn, module) if layer.forward_fn else module)
+                elif isinstance(layer, LayerSpec):
+                    module = self._seeded(index, layer.build)
+                    self.add_module(str(index), module)
+                    funcs.append(module)
+                elif isinstance(layer, torch.nn.Module):
+                    self.add_module(str(index), layer)
+                    funcs.append(layer)
+                else:
+                    funcs.append(layer)
+            self.chunk_funcs.append(funcs)
 
     def _seeded(self, index: int, build: Callable) -> torch.nn.Module:
         if not self.seed_layers:
@@ -134,6 +163,18 @@ class PipelineModule(torch.nn.Module):
                     if mesh.rank in ranks:
                         groups[key] = (group, ranks)
         return groups
+
+    def _make_pipe_groups(self):
+        """One more group per pipeline line (every rank makes every one: collective); this rank's."""
+        mine = None
+        mesh = self.mesh
+        for data in range(mesh.dp):
+            for tensor in range(mesh.tp):
+                ranks = [mesh.rank_at(s, data, tensor) for s in range(mesh.pp)]
+                group = new_group(ranks) if comm.get_world_size() > 1 else None
+                if mesh.rank in ranks:
+                    mine = group
+        return mine
 
     def _mark_tied_copies(self) -> None:
         for key, module in self.tied_modules.items():
@@ -160,6 +201,14 @@ class PipelineModule(torch.nn.Module):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
+    def is_first_chunk(self, chunk: int) -> bool:
+        """Does ``chunk`` of this stage take the model's inputs (the first virtual stage)?"""
+        return self.is_first_stage() and chunk == 0
+
+    def is_last_chunk(self, chunk: int) -> bool:
+        """Does ``chunk`` of this stage produce the model's output (the last virtual stage)?"""
+        return self.is_last_stage() and chunk == self.virtual_stages - 1
+
     def owns_tied(self, key: str) -> bool:
         return self.stage_id == self.tied_stages[key][0]
 
@@ -180,25 +229,25 @@ class PipelineModule(torch.nn.Module):
                 if not self.owns_tied(key):
                     p.grad = None
 
-    def forward(self, inputs):
-        funcs = self.forward_funcs
+    def forward(self, inputs, chunk: int = 0):
+        """This stage's layers of model chunk ``chunk`` (the only one without virtual stages) on ``inputs``."""
+        funcs = self.chunk_funcs[chunk]
         interval = self.activation_checkpoint_interval
         if interval == 0 or not self.training or not torch.is_grad_enabled():
             return _run(funcs, inputs)
         checkpoint = self.activation_checkpoint_func or _default_checkpoint()
         x = inputs
         for start in range(0, len(funcs), interval):
-            chunk = funcs[start:start + interval]
-            if self._checkpointable(start, len(chunk)):
-                x = checkpoint(functools.partial(_run_unpacked, chunk), *(x if isinstance(x, tuple) else (x,)))
+            segment = funcs[start:start + interval]
+            if self._checkpointable(self.chunk_layers(chunk).start + start, len(segment)):
+                x = checkpoint(functools.partial(_run_unpacked, segment), *(x if isinstance(x, tuple) else (x,)))
             else:
-                x = _run(chunk, x)
+                x = _run(segment, x)
         return x
 
-    def _checkpointable(self, start: int, count: int) -> bool:
+    def _checkpointable(self, first: int, count: int) -> bool:
         if self.checkpointable_layers is None:
             return True
-        first = self.stage_layers.start + start
         names = {_name_of(self.layer_specs[i]) for i in range(first, first + count)}
         return any(n in self.checkpointable_layers for n in names)
 

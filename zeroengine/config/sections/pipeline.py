@@ -2,7 +2,8 @@
 
 The model's own :class:`zeroengine.pipe.PipelineModule` arguments decide its stages, partition, seeding and
 activation checkpointing, as in DeepSpeed (whose engine reads only some of these keys); here ``stages``, when
-a number, must agree with the module's ``num_stages``. ``schedule`` is zeroengine's: DeepSpeed runs 1F1B only.
+a number, must agree with the module's ``num_stages``. ``schedule`` is zeroengine's: DeepSpeed runs 1F1B only
+(and has no virtual stages).
 """
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ class PipelineConfig(ConfigModel):
     pipe_partitioned: bool = Field(True, description="Accepted, no effect: activations are sent whole between stages "
                                                      "(zeroengine has no tensor-parallel split of them to undo).")
     grad_partitioned: bool = Field(True, description="Accepted, no effect (as pipe_partitioned).")
-    schedule: Literal["1f1b", "gpipe"] = Field(
+    schedule: Literal["1f1b", "gpipe", "interleaved"] = Field(
         "1f1b", description="The micro-batch order: \"1f1b\" (one forward, one backward: a stage holds at most "
                             "as many micro-batches as stages follow it) or \"gpipe\" (all forwards, then all "
-                            "backwards: a stage holds every micro-batch). Both idle (p-1)/(m+p-1) of a step.")
+                            "backwards: a stage holds every micro-batch); both idle (p-1)/(m+p-1) of a step. "
+                            "\"interleaved\" (Megatron's interleaved 1F1B, for a PipelineModule with "
+                            "virtual_stages v > 1, which runs it under \"1f1b\" too) idles (p-1)/(v·m+p-1); "
+                            "it needs gradient_accumulation_steps divisible by the stages.")
