@@ -21,10 +21,12 @@ STEPS = 3
 
 
 def train(rank, world, stages, micro_batches, stage=1, schedule="1f1b", dtype="fp32", steps=STEPS, model_kwargs=None,
-          save=None, load=None, data_seed=3):
+          save=None, load=None, data_seed=3, offload=False):
     dp = world // stages
-    engine, *_ = zeroengine.initialize(model=pipe_model(stages, **(model_kwargs or {})),
-                                       config=config(dp, micro_batches, stage=stage, schedule=schedule, dtype=dtype))
+    cfg = config(dp, micro_batches, stage=stage, schedule=schedule, dtype=dtype)
+    if offload:  # the optimizer state in CPU memory, stepped by the C++ Adam
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = zeroengine.initialize(model=pipe_model(stages, **(model_kwargs or {})), config=cfg)
     if load:
         engine.load_checkpoint(load)
     losses = []
@@ -47,9 +49,9 @@ def merged_state(results):
     return state
 
 
-def assert_matches(results, ref_losses, ref_state, tol=1e-5):
+def assert_matches(results, ref_losses, ref_state, tol=1e-5, loss_rel=None):
     for r in results:  # every stage reports the step's loss
-        assert r["losses"] == pytest.approx(ref_losses, abs=tol)
+        assert r["losses"] == pytest.approx(ref_losses, abs=tol if loss_rel is None else 0, rel=loss_rel)
     state = merged_state(results)
     assert set(state) == set(ref_state)
     for k in ref_state:
@@ -76,19 +78,21 @@ def test_untied_model_with_tuple_activations_and_recompute():
     assert_matches(results, ref_losses, ref_state)
 
 
-@pytest.mark.parametrize("stages,world,micro_batches,stage,schedule,chunks", [
-    (2, 2, 4, 1, "interleaved", 2), (2, 2, 4, 0, "1f1b", 3), (4, 4, 8, 1, "interleaved", 2),
-    (2, 4, 4, 1, "interleaved", 2),
+@pytest.mark.parametrize("stages,world,micro_batches,stage,schedule,chunks,offload", [
+    (2, 2, 4, 1, "interleaved", 2, False), (2, 2, 4, 0, "1f1b", 3, False), (4, 4, 8, 1, "interleaved", 2, False),
+    (2, 4, 4, 1, "interleaved", 2, True),
 ])
-def test_interleaved_pipeline_matches_one_process(stages, world, micro_batches, stage, schedule, chunks):
+def test_interleaved_pipeline_matches_one_process(stages, world, micro_batches, stage, schedule, chunks, offload):
     """v model chunks per stage: a micro-batch crosses the ranks v times (at 2 stages both ways between the
     same two ranks), the tied embedding lives on the first chunk of stage 0 and the head on the last chunk
-    of the last stage; the numbers are the one-process ones."""
+    of the last stage; the numbers are the one-process ones (also with dp=2 and the optimizer offloaded)."""
     kwargs = {"virtual_stages": chunks}
     results = run_distributed(train, world, stages, micro_batches, stage=stage, schedule=schedule,
-                              model_kwargs=kwargs)
+                              model_kwargs=kwargs, offload=offload)
     ref_losses, ref_state = reference(STEPS, micro_batches, world // stages)
-    assert_matches(results, ref_losses, ref_state)
+    # The C++ Adam rounds differently from torch's AdamW (fused multiply-adds, its own order): the weights still
+    # agree within 1e-5, and the losses (about 10 here, where an fp32 ulp is 1e-6) within 2e-6 of their size.
+    assert_matches(results, ref_losses, ref_state, loss_rel=2e-6 if offload else None)
     assert len({r["norm"] for r in results}) == 1 and results[0]["norm"] > 1.0
     # chunk-passes in flight: the warm-up, 2(p-s-1) + (v-1)p, plus one
     expected = {s: min(2 * (stages - s - 1) + (chunks - 1) * stages + 1, micro_batches * chunks)
