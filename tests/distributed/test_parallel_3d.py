@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from pipe_models import batches, config, tp_pipe_model, tp_reference
-from test_tensor_parallel import full_state, local_state
+from test_tensor_parallel import assert_matches, full_state, local_state
 
 import zeroengine
 from zeroengine.testing import run_distributed
@@ -42,12 +42,8 @@ def train_3d(rank, world, stages, tp, micro_batches, stage=1, steps=STEPS, save=
 def test_dp2_tp2_pp2_matches_one_process(tmp_path):
     results = run_distributed(train_3d, 8, 2, 2, 4, save=str(tmp_path), timeout_s=400)
     ref_losses, ref_state = tp_reference(STEPS, 4, 2)
-    for r in results:
-        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    assert_matches(results, ref_losses, ref_state)
     state = full_state([r["state"] for r in results])
-    assert set(state) == set(ref_state)
-    for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=0, msg=k)
     assert len({r["norm"] for r in results}) == 1
     assert results[7]["mesh"].startswith("pp=2 × dp=2 × tp=2 (rank 7: pipe 1, data 1, tensor 1)")
 

@@ -202,6 +202,7 @@ def _errors(rank, world):
             zeroengine.initialize(model=model, config=cfg)
         except ConfigError as err:
             problems[name] = str(err)
+    zeroengine.comm.barrier()  # (the last module made groups: no rank closes the store while another makes one)
     return problems
 
 
