@@ -194,3 +194,51 @@ def test_memory_per_rank_follows_the_divided_formula():
     excess = 16 * (t - 1) * replicated / (t * p) + 16 * max(r["padded"] - r["psi"] for r in results)
     assert predicted["total"] - 16 * max(r["padded"] - r["psi"] for r in results) <= measured
     assert measured <= predicted["total"] + excess
+
+
+def _overflow(rank, world, kind):
+    """fp16 at pp=2 or tp=2, an inf put into one gradient on one rank (the last stage, or tensor rank 1) at the
+    second step: what each rank saw at each step."""
+    from parity import base_config
+    from test_real_models import build, loss_of
+    from test_tensor_parallel import global_batches
+
+    if kind == "pipe":
+        cfg = config(1, 4, dtype="fp16")
+        engine, *_ = zeroengine.initialize(model=tp_pipe_model(2, 1), config=cfg)
+        poisoned_here = engine.stage_id == 1
+    else:
+        cfg = base_config(2, 1, 1, 1.0, lr=1e-3, dtype="fp16", stage=1)
+        cfg["tensor_parallel"] = {"autotp_size": 2}
+        engine, *_ = zeroengine.initialize(model=build("gpt2"), config=cfg)
+        poisoned_here = engine.mesh.tp_rank == 1
+    poison = {"on": False}
+    if poisoned_here:  # a parameter this rank alone holds (a later stage's, or a tensor-parallel slice)
+        from zeroengine.tensor_parallel import split_of
+
+        p = next(p for p in engine.module.parameters() if kind == "pipe" or split_of(p) is not None)
+        p.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+    seen = []
+    for step in range(3):
+        poison["on"] = step == 1
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        if kind == "pipe":
+            engine.train_batch(iter(batches(1, 4, 1, seed=step)[0][0]))
+        else:
+            engine.backward(loss_of(engine, (global_batches(1)[step][:2],)))
+            engine.step()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
+        seen.append({"moved": moved, "scale": engine.loss_scale, "skipped": engine.skipped_steps})
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["pipe", "tensor"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(kind):
+    """fp16 overflow checks run over the model group: an inf in a gradient only the last pipeline stage (or
+    only tensor rank 1) holds makes every rank skip that step, with the same loss scale afterwards (a rank
+    checking alone would step with the others' weights moved and its own not); the steps before and after
+    apply everywhere."""
+    seen = run_distributed(_overflow, 2, kind)
+    assert seen[0] == seen[1]
+    assert [s["moved"] for s in seen[0]] == [True, False, True]
+    assert [s["skipped"] for s in seen[0]] == [0, 1, 1]
