@@ -235,8 +235,8 @@ def _overflow(rank, world, kind):
 @pytest.mark.parametrize("kind", ["pipe", "tensor"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(kind):
     """fp16 overflow checks run over the model group: an inf in a gradient only the last pipeline stage (or
-    only tensor rank 1) holds makes every rank skip that step, with the same loss scale afterwards (a rank
-    checking alone would step with the others' weights moved and its own not); the steps before and after
+    only tensor rank 1) holds makes every rank skip that step, with the same loss scale afterwards (had each
+    rank checked alone, the poisoned one would skip while the others stepped); the steps before and after
     apply everywhere."""
     seen = run_distributed(_overflow, 2, kind)
     assert seen[0] == seen[1]
