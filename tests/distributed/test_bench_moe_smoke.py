@@ -1,23 +1,12 @@
 """Smoke test of benchmarks/bench_moe.py: --quick runs every candidate (DeepSpeed skipped) and the
 2-rank all-to-all, and writes JSON with finite numbers. No timing is asserted."""
-import json
 import math
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_runs import run_benchmark
 
 
 def test_quick_run_reports_every_candidate(tmp_path):
-    out = tmp_path / "moe.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_moe.py"), "--quick",
-                           "--no-deepspeed", "--out", str(out)], capture_output=True, text=True, timeout=240,
-                          cwd=REPO, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads(out.read_text())
+    _, result = run_benchmark("bench_moe.py", tmp_path / "moe.json", "--quick", "--no-deepspeed")
     assert [(s["experts"], s["k"]) for s in result["mlp"]] == [(4, 1), (4, 2), (8, 1), (8, 2)]
     for shape in result["mlp"]:
         assert set(shape["rows"]) == {"floor", "traffic", "bound", "naive", "sort", "ze-loop", "zeroengine",

@@ -1,25 +1,15 @@
 """Smoke test of benchmarks/bench_pipeline.py: --quick (p = 2, m = 4 and 8, GPipe, 1F1B and interleaved 1F1B, a
 tiny model, DeepSpeed skipped) runs and writes JSON of the expected shape. The activations each schedule holds are
 exact and asserted; timings and bubble fractions only have to be fractions."""
-import json
 import math
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_runs import run_benchmark
 
 
 def test_quick_run_reports_bubbles_and_activations(tmp_path):
-    out = tmp_path / "pipeline.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_pipeline.py"), "--quick",
-                           "--no-deepspeed", "--out", str(out)], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "gpipe/1f1b" in proc.stdout and "formula" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_benchmark("bench_pipeline.py", tmp_path / "pipeline.json", "--quick", "--no-deepspeed",
+                                   timeout=120)
+    assert "gpipe/1f1b" in stdout and "formula" in stdout
     runs = {(r["stages"], r["micro_batches"], r["schedule"]): r for r in result["runs"]}
     assert set(runs) == {(2, m, s) for m in (4, 8) for s in ("gpipe", "1f1b", "interleaved")}
     for (p, m, schedule), r in runs.items():

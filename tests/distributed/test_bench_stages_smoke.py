@@ -3,16 +3,11 @@
 Nothing here asserts a timing or a memory target: the benchmark reports those,
 side by side; the test only checks that it runs and that every number is there.
 """
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+from bench_runs import run_benchmark
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(REPO, "benchmarks", "bench_stages.py")
 VARIANTS = {"ddp", "fsdp2", "ze-s0", "ze-s1", "ze-s2", "ze-s3", "ze-s3+init"}
 
 
@@ -22,15 +17,9 @@ def _finite(value) -> bool:
 
 @pytest.mark.slow
 def test_quick_run_reports_every_variant_with_finite_numbers(tmp_path):
-    out = tmp_path / "stages.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, BENCH, "--quick", "--no-deepspeed", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "xDDP" in proc.stdout and "peak RSS" in proc.stdout
+    stdout, result = run_benchmark("bench_stages.py", tmp_path / "stages.json", "--quick", "--no-deepspeed")
+    assert "xDDP" in stdout and "peak RSS" in stdout
 
-    result = json.loads(out.read_text())
     rows = {row["variant"]["name"]: row for row in result["variants"]}
     assert set(rows) == VARIANTS
     psi = result["num_params"]

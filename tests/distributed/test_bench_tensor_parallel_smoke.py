@@ -2,27 +2,18 @@
 and writes JSON of the expected shape. Collective counts are exact and asserted: GPT-2's and Llama's all-reduces and
 all-gather equal Megatron's formula (2 forward + 2 backward per block, the embedding's and the LM head's one each, the logits
 gathered once); memory ratios follow from the split. Timings only have to be positive."""
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
+from bench_runs import run_benchmark
 
 pytest.importorskip("transformers")  # the benchmark's models (a test-only dependency)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_quick_run_counts_megatron_bytes(tmp_path):
-    out = tmp_path / "tensor_parallel.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_tensor_parallel.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "per block" in proc.stdout and "tp/dp per rank" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_benchmark("bench_tensor_parallel.py", tmp_path / "tensor_parallel.json", "--quick",
+                                   timeout=120)
+    assert "per block" in stdout and "tp/dp per rank" in stdout
     c, b = result["comm_model"], result["bytes"]
     act, logits = c["batch"] * c["seq"] * c["hidden"] * 4, c["batch"] * c["seq"] * c["vocab"] * 4
     assert (b["act_bytes"], b["logits_bytes"]) == (act, logits)
