@@ -55,6 +55,11 @@ class ProcessMesh:
     def rank_at(self, pipe: int, data: int, tensor: int) -> int:
         return (pipe * self.dp + data) * self.tp + tensor
 
+    def axis_members(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` ("data", "tensor", "pipe", "model") as global ranks, in the order the mesh
+        made its own groups (the same on every rank, as making more such groups needs)."""
+        return _axis_members(self.pp, self.dp, self.tp)[axis]
+
     @property
     def pp_rank(self) -> int:
         return self.coords()[0]

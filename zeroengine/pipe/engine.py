@@ -210,7 +210,7 @@ class _MicroBatches:
             inputs = self._to_device(batch[0], cast=True)
         else:
             inputs = engine.link.recv_activations()
-        outputs = module(inputs, chunk) if engine.chunks > 1 else module(inputs)
+        outputs = module(inputs, chunk)
         if not last:
             engine.link.send_activations(outputs)
             if self.train:

@@ -103,6 +103,7 @@ class PipelineModule(torch.nn.Module):
 
     @property
     def forward_funcs(self) -> list[Callable]:
+        """This stage's layer callables in order (DeepSpeed's attribute of that name; chunk by chunk)."""
         return [f for funcs in self.chunk_funcs for f in funcs]
 
     def stage_of_layer(self, index: int) -> int:
@@ -167,13 +168,10 @@ class PipelineModule(torch.nn.Module):
     def _make_pipe_groups(self):
         """One more group per pipeline line (every rank makes every one: collective); this rank's."""
         mine = None
-        mesh = self.mesh
-        for data in range(mesh.dp):
-            for tensor in range(mesh.tp):
-                ranks = [mesh.rank_at(s, data, tensor) for s in range(mesh.pp)]
-                group = new_group(ranks) if comm.get_world_size() > 1 else None
-                if mesh.rank in ranks:
-                    mine = group
+        for ranks in self.mesh.axis_members("pipe"):
+            group = new_group(ranks) if comm.get_world_size() > 1 else None
+            if self.mesh.rank in ranks:
+                mine = group
         return mine
 
     def _mark_tied_copies(self) -> None:
