@@ -23,7 +23,8 @@
 #               then the AutoEP and MoE tests on the GPU's one rank                                ~5 min
 #   parallel    issue 25: tensor and pipeline parallelism over NCCL: the one-rank paths on one GPU (a one-stage
 #               PipelineModule through train_batch, GPT-2 through AutoTP's engine path, the vocabulary-parallel
-#               loss), and tp=2 / pp=2 / interleaved pp=2 against the CPU reference on 2 GPUs     ~2 min
+#               loss), and tp=2 / pp=2 / interleaved pp=2 against the CPU reference on 2 GPUs, also with
+#               messages above NCCL's 4 MiB buffer (issue 32: every schedule's order completes)   ~2 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe|parallel}

@@ -49,15 +49,15 @@ def lm_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def layers(blocks: int = 6, tied: bool = True, masked: bool = False) -> list:
+def layers(blocks: int = 6, tied: bool = True, masked: bool = False, hidden: int = HIDDEN) -> list:
     if masked:
-        return [LayerSpec(EmbedWithMask, VOCAB, HIDDEN)] + [LayerSpec(MaskedBlock, HIDDEN) for _ in range(blocks)] + \
-            [drop_mask, LayerSpec(torch.nn.LayerNorm, HIDDEN), LayerSpec(torch.nn.Linear, HIDDEN, VOCAB)]
-    embed = TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, HIDDEN) if tied else \
-        LayerSpec(torch.nn.Embedding, VOCAB, HIDDEN)
-    head = TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, HIDDEN, forward_fn=lm_head) if tied else \
-        LayerSpec(torch.nn.Linear, HIDDEN, VOCAB, bias=False)
-    return [embed] + [LayerSpec(Block, HIDDEN) for _ in range(blocks)] + [LayerSpec(torch.nn.LayerNorm, HIDDEN), head]
+        return [LayerSpec(EmbedWithMask, VOCAB, hidden)] + [LayerSpec(MaskedBlock, hidden) for _ in range(blocks)] + \
+            [drop_mask, LayerSpec(torch.nn.LayerNorm, hidden), LayerSpec(torch.nn.Linear, hidden, VOCAB)]
+    embed = TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, hidden) if tied else \
+        LayerSpec(torch.nn.Embedding, VOCAB, hidden)
+    head = TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, hidden, forward_fn=lm_head) if tied else \
+        LayerSpec(torch.nn.Linear, hidden, VOCAB, bias=False)
+    return [embed] + [LayerSpec(Block, hidden) for _ in range(blocks)] + [LayerSpec(torch.nn.LayerNorm, hidden), head]
 
 
 def pipe_model(stages: int, **kwargs) -> PipelineModule:
@@ -69,14 +69,14 @@ def pipe_model(stages: int, **kwargs) -> PipelineModule:
                           virtual_stages=virtual)
 
 
-def batches(steps: int, micro_batches: int, dp: int, micro: int = 2, seed: int = 3):
+def batches(steps: int, micro_batches: int, dp: int, micro: int = 2, seed: int = 3, seq: int = SEQ):
     """batches[step][dp_rank] = the micro-batches (tokens, labels) of that replica; the same on every process."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        x = torch.randint(1, VOCAB, (dp, micro_batches, micro, SEQ), generator=g)
+        x = torch.randint(1, VOCAB, (dp, micro_batches, micro, seq), generator=g)
         x[..., -1] = 0  # a padding token, so the masked model's mask is not all ones
-        y = torch.randint(VOCAB, (dp, micro_batches, micro, SEQ), generator=g)
+        y = torch.randint(VOCAB, (dp, micro_batches, micro, seq), generator=g)
         out.append([[(x[r, i], y[r, i]) for i in range(micro_batches)] for r in range(dp)])
     return out
 
@@ -94,13 +94,13 @@ def config(dp: int, micro_batches: int, stage: int = 1, clip: float = 1.0, sched
 
 
 def reference(steps: int, micro_batches: int, dp: int, clip: float = 1.0, model: PipelineModule | None = None,
-              loss_fn=lm_loss, **model_kwargs):
+              loss_fn=lm_loss, seq: int = SEQ, **model_kwargs):
     """(losses per step, final state_dict) of the same model (one stage) in one process over the same global
     batches, stepped by torch's AdamW on the mean loss of every replica's micro-batches."""
     model = model if model is not None else pipe_model(1, **model_kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
     losses = []
-    for per_rank in batches(steps, micro_batches, dp):
+    for per_rank in batches(steps, micro_batches, dp, seq=seq):
         opt.zero_grad()
         total = 0.0
         for replica in per_rank:

@@ -23,6 +23,7 @@ from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
 from zeroengine.progress import set_log_level
 from zeroengine.tensor_parallel.layers import split_of
+from zeroengine.tensor_parallel.rng import share_generators
 from zeroengine.zero.factory import build_zero_optimizer
 from zeroengine.zero.initial_state import broadcast_initial_state
 from zeroengine.zero.optimizer import reduced_elsewhere
@@ -85,10 +86,15 @@ def _hidden_size_of(model) -> int | None:
 
 
 def _trainable_params(model, model_parameters):
-    # A pipeline stage's copy of a tied weight is stepped by the stage owning it (zeroengine.pipe), never here.
     if model_parameters is None:
-        return [p for p in model.parameters() if p.requires_grad and not reduced_elsewhere(p)]
-    return [p for p in model_parameters if not reduced_elsewhere(p)]
+        return _stepped_here(p for p in model.parameters() if p.requires_grad)
+    return _stepped_here(model_parameters)
+
+
+def _stepped_here(params) -> list:
+    """``params`` but a pipeline stage's copies of tied weights: the stage owning them steps them
+    (zeroengine/pipe/tied.py)."""
+    return [p for p in params if not reduced_elsewhere(p)]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -137,7 +143,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # every data-parallel replica starts from the first replica's weights, as under DeepSpeed and DDP
     broadcast_initial_state(model, mesh)
     if isinstance(model, PipelineModule):
-        model.sync_tied_weights()  # each stage's copy of a tied weight starts from its owner's
+        model.tied.sync()  # each stage's copy of a tied weight starts from its owner's
     autoep = _convert_moe_blocks(cfg, model)  # after the broadcast: each rank keeps its experts of rank 0's values
 
     torch_optimizer = _resolve_optimizer(cfg, model, optimizer, model_parameters)
@@ -187,7 +193,7 @@ def _mesh_for(model, mpu, tp: int) -> ProcessMesh:
             raise ValueError("initialize(mpu=...) with a PipelineModule: the module made its own pipeline × data "
                              "mesh; pass one or the other")
         return model.mesh
-    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+    if mpu is not None:
         return mesh_from_mpu(mpu)
     try:
         return build_mesh(pp=1, tp=tp, what="tensor_parallel.autotp_size")
@@ -217,10 +223,31 @@ def _check_tensor_parallel_config(cfg, mesh: ProcessMesh) -> None:
                           f"({mesh.describe()}); make them agree")
 
 
+def _check_tensor_splits(model, mesh: ProcessMesh) -> None:
+    """Tensor-parallel layers of one's own must be cut as many ways as the mesh cuts tensors (a layer built
+    before the mesh, or on another one, would otherwise train as a different model on every rank)."""
+    wrong = [(name, split_of(p).parts) for name, p in model.named_parameters()
+             if split_of(p) is not None and split_of(p).parts != mesh.tp]
+    if wrong:
+        name, parts = wrong[0]
+        raise ValueError(f"the model's tensor-parallel parameter {name!r}" + (f" (and {len(wrong) - 1} more)" if
+                         len(wrong) > 1 else "") + f" is split {parts} ways, but the mesh splits tensors {mesh.tp} "
+                         f"ways ({mesh.describe()}): build the layers with the mesh's tensor group "
+                         "(group=mesh.tensor_group, or inside zeroengine.parallel.use_mesh(mesh))")
+
+
 def _split_tensors(cfg, model, mesh: ProcessMesh):
     """Tensor parallelism: the model's layers split across the tensor group (AutoTP), unless the model is built
     from tensor-parallel layers already (a PipelineModule of them, or a user's own)."""
-    if mesh.tp == 1 or any(split_of(p) is not None for p in model.parameters()):
+    _check_tensor_splits(model, mesh)
+    if mesh.tp == 1:
+        return None
+    if any(split_of(p) is not None for p in model.parameters()):
+        share_generators(mesh.tensor_group)  # (AutoTP's convert does this itself; tensor_parallel/rng.py says why)
+        return None
+    if cfg.tensor_parallel.size == 1:
+        # The mesh splits tensors (an mpu's, a PipelineModule's topology) but AutoTP was not asked for: the model's
+        # layers are split by the user's own code (Megatron's), which zeroengine takes as they are.
         return None
     from zeroengine.tensor_parallel.autotp import convert
     from zeroengine.zero.init import is_init_partitioned
@@ -313,7 +340,7 @@ def _resolve_optimizer(cfg, model, optimizer, model_parameters):
     if not isinstance(torch_optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(torch_optimizer).__name__}")
     for group in torch_optimizer.param_groups:  # (an optimizer built by the caller over all the parameters)
-        group["params"] = [p for p in group["params"] if not reduced_elsewhere(p)]
+        group["params"] = _stepped_here(group["params"])
     model_param_ids = {id(p) for p in model.parameters()}
     stepped = [p for g in torch_optimizer.param_groups for p in g["params"]]
     foreign = [p for p in stepped if id(p) not in model_param_ids]

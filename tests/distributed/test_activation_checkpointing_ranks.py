@@ -83,7 +83,21 @@ def test_stage3_recompute_regathers_parameters_and_matches_the_plain_gradients()
 
 
 class _MPU:
-    """Megatron-style model-parallel unit over the whole (2-rank) world."""
+    """Megatron-style model-parallel unit over the whole (2-rank) world: each rank its own data-parallel group."""
+
+    def __init__(self):
+        from zeroengine.comm.groups import new_group
+
+        self.alone = [new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+
+    def get_data_parallel_group(self):
+        return self.alone
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_rank(self):
+        return 0
 
     def get_model_parallel_group(self):
         return dist.group.WORLD
@@ -123,7 +137,7 @@ def _partitioned(rank, world):
     kept = node.saved_inputs[0].data.clone()
     x_full = x.detach().clone()
     # initialize(mpu=...) passes the group on
-    config = {**base_config(2, 1, world, 0.0), "activation_checkpointing": {"partition_activations": True}}
+    config = {**base_config(2, 1, 1, 0.0), "activation_checkpointing": {"partition_activations": True}}
     zeroengine.initialize(model=torch.nn.Linear(2, 2), config=config, mpu=mpu)
     return results, kept, x_full, checkpointing.current().partitions
 

@@ -1,6 +1,7 @@
 """engine.compile() and the compile config section: each block's forward under torch.compile (CPU inductor) at
 ZeRO stages 0-3, with and without offload, and with activation checkpointing, trains as the eager engine does
 (fp32, 1e-5), on 2 ranks."""
+import pytest
 import torch
 from parity import base_config, engine_losses, global_batches, make_model
 
@@ -58,6 +59,7 @@ def _compare_all(rank, world):
     return out
 
 
+@pytest.mark.timeout(660)  # above run_distributed's 600 s, so a hang fails naming the rank
 def test_compiled_blocks_train_as_the_eager_engine_at_every_stage_and_offload():
     for rank, results in enumerate(run_distributed(_compare_all, 2, timeout_s=600)):
         for name, ((losses, params, stats), (c_losses, c_params, c_stats), frames, breaks) in results.items():

@@ -108,6 +108,28 @@ def test_config_scheduler_steps_per_optimizer_step_and_loader_shards_data():
     assert sorted(seen0 + seen1) == list(range(20))  # each sample read by exactly one rank
 
 
+def _epochs_read(rank, world, epochs):
+    data = torch.utils.data.TensorDataset(torch.arange(24))
+    _, _, loader, _ = zeroengine.initialize(model=make_model(), config=base_config(2, 1, world, 0.0),
+                                            training_data=data)
+    return [[x.item() for (batch,) in loader for x in batch] for _ in range(epochs)]
+
+
+def test_the_initialize_loader_reshuffles_each_epoch_keeping_the_ranks_shares_disjoint():
+    """No set_epoch in the loop: each pass over the loader initialize returns is the next epoch (as with
+    DeepSpeedDataLoader), the ranks' shares of each epoch are disjoint and cover the data, and the order is the
+    one DistributedSampler gives for the default seed (0) and that epoch, in any process."""
+    read = run_distributed(_epochs_read, 2, 3)
+    for epoch in range(3):
+        assert sorted(read[0][epoch] + read[1][epoch]) == list(range(24)), epoch
+    for rank in range(2):
+        assert len({tuple(order) for order in read[rank]}) == 3
+        for epoch in range(3):
+            sampler = torch.utils.data.DistributedSampler(range(24), num_replicas=2, rank=rank, seed=0)
+            sampler.set_epoch(epoch)
+            assert read[rank][epoch] == list(sampler)
+
+
 def _static_scale_and_debug(rank, world):
     cfg = base_config(2, 1, world, 1.0, dtype="fp16", stage=2)
     cfg["fp16"] = {"enabled": True, "loss_scale": 128}

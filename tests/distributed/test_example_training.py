@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from zeroengine.testing import free_port
@@ -20,6 +21,7 @@ def _env():
     return env
 
 
+@pytest.mark.timeout(360)  # above the launcher run's 300 s, so a hang fails naming the command
 def test_example_trains_on_two_processes():
     port = str(free_port())
     out = subprocess.run(LAUNCHER + ["--num_procs", "2", "--master_port", port] + TRAIN,
@@ -31,6 +33,7 @@ def test_example_trains_on_two_processes():
     assert "sample:\ndef " in text  # byte-level text from the trained model, from the prompt "def "
 
 
+@pytest.mark.timeout(660)  # above the two nodes' 300 s waits, one after the other
 def test_two_node_launchers_on_loopback_form_one_world_of_four():
     port = str(free_port())
     common = ["--num_nodes", "2", "--num_procs", "2", "--master_addr", "127.0.0.1", "--master_port", port]

@@ -19,6 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MIGRATION = os.path.join(REPO, "tests", "migration")
 LAUNCHER = [sys.executable, "-m", "zeroengine.launcher.main"]
 LOSS_LINE = re.compile(r"^LOSS (\d+) ([0-9.]+) ", re.M)
+# above two launcher runs of 300 s each (one test resumes a run), so a hang fails naming the command
+pytestmark = pytest.mark.timeout(660)
 
 
 def _switched_script(tmp_path) -> str:

@@ -5,11 +5,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from zeroengine.testing import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.timeout(360)  # above the launcher run's 300 s, so a hang fails naming the command
 def test_moe_example_trains_with_expert_parallelism_through_the_launcher():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -9,6 +9,8 @@ LR scheduler moving the rate every step (the background step must use the
 rate of its own step, not the one the scheduler moved to).
 """
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -33,8 +35,9 @@ def decaying(step: int) -> float:
     return 1.0 / (1.0 + 0.5 * step)
 
 
-def reference(steps: int, warmup: int | None, torch_scheduler: bool = False):
-    """(losses, weights the model runs on, the masters) of the stale-gradient schedule (None: no delay)."""
+def reference(steps: int, warmup: int | None, torch_scheduler: bool = False, resident: frozenset = frozenset()):
+    """(losses, weights the model runs on, the masters) of the stale-gradient schedule (None: no delay).
+    ``resident``: parameters that land at once after the warm-up too (partial offload's accelerator buckets)."""
     model = make_model()
     master = copy.deepcopy(model)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS)
@@ -48,7 +51,13 @@ def reference(steps: int, warmup: int | None, torch_scheduler: bool = False):
         loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        delayed_update_step(model, master, opt, sched, delayed=warmup is not None and step >= warmup)
+        delayed = warmup is not None and step >= warmup
+        delayed_update_step(model, master, opt, sched, delayed=delayed)
+        if delayed and resident:
+            with torch.no_grad():
+                for (name, p), m in zip(model.named_parameters(), master.parameters()):
+                    if name in resident:
+                        p.copy_(m)
         losses.append(loss.item())
     return losses, state_of(model), state_of(master)
 
@@ -74,7 +83,14 @@ def delayed_run(rank, world, stage, ratio=1.0, torch_scheduler=False):
     assert host_bytes == 4 * offloaded  # one fp32 copy of the offloaded gradient shard
     zero.land_delayed_update()  # ...until it lands (save_checkpoint and destroy() do this)
     assert not zero.delayed.pending
-    return losses, running, full_state(engine)
+    return losses, running, full_state(engine), resident_names(engine)
+
+
+def resident_names(engine) -> frozenset:
+    """The parameters in buckets kept on the accelerator (a parameter lies in one bucket)."""
+    zero, names = engine.optimizer, {id(p): n for n, p in engine.module.named_parameters()}
+    return frozenset(names[id(zero.flat_params.params[i])]
+                     for i, b in zero.layout.bucket_of_param().items() if not zero.on_host(b))
 
 
 def assert_close(actual: dict, expected: dict):
@@ -89,7 +105,7 @@ def test_delayed_update_follows_the_stale_gradient_schedule(stage):
     # the schedules differ by more than the tolerance (or this test could not tell them apart)
     assert max(abs(a - b) for a, b in zip(ref_losses, undelayed_losses)) > 1e-3
     assert ref_losses[:WARMUP + 1] == pytest.approx(undelayed_losses[:WARMUP + 1], abs=1e-6)
-    for losses, running, landed in run_distributed(delayed_run, 2, stage):
+    for losses, running, landed, _ in run_distributed(delayed_run, 2, stage):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert_close(running, ref_running)
         assert_close(landed, ref_master)
@@ -97,7 +113,7 @@ def test_delayed_update_follows_the_stale_gradient_schedule(stage):
 
 def test_a_torch_scheduler_moves_the_rate_after_the_background_step_took_its_own():
     ref_losses, ref_running, ref_master = reference(STEPS, WARMUP, torch_scheduler=True)
-    for losses, running, landed in run_distributed(delayed_run, 2, 2, 1.0, True):
+    for losses, running, landed, _ in run_distributed(delayed_run, 2, 2, 1.0, True):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert_close(running, ref_running)
         assert_close(landed, ref_master)
@@ -126,8 +142,8 @@ def test_a_modifying_gathered_block_lands_the_update_first(stage):
 def memory_rows_do_not_wait(rank, world):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=delayed_config(world, 2, warmup=0))
     delayed = engine.optimizer.delayed
-    waits, real_wait = [], delayed.wait
-    delayed.wait = lambda: waits.append(delayed.creating_state) or real_wait()
+    waits, real_join = [], delayed.join
+    delayed.join = lambda: waits.append(delayed.creating_state) or real_join()
     train(engine, rank, world, 0, 1)  # the first delayed step creates the optimizer state: a memory row waits
     first = delayed.creating_state
     waits.clear()
@@ -146,16 +162,24 @@ def test_memory_rows_wait_only_for_the_step_that_creates_optimizer_state():
 
 
 def test_partial_offload_delays_only_the_offloaded_buckets():
-    """ratio 0.5: resident buckets update at once, offloaded ones a step late; the run must differ from both
-    pure schedules (a mixed one), train, and land like the others."""
+    """ratio 0.5: the buckets kept on the accelerator update at once, the offloaded ones a step late. The run
+    follows that mixed schedule within the other tests' 1e-5 (fp32 rounding of CPUAdam against torch's AdamW
+    over six steps stays near 1e-6), and the schedule is more than 1e-3 away from delaying every bucket and
+    from delaying none (the two pure references), so neither could pass for it."""
     results = run_distributed(delayed_run, 2, 2, 0.5)
-    ref_losses, _, _ = reference(STEPS, WARMUP)
-    undelayed_losses, _, _ = reference(STEPS, None)
-    losses = results[0][0]
-    assert losses[:WARMUP + 1] == pytest.approx(undelayed_losses[:WARMUP + 1], abs=1e-5)
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) > 1e-4
-    assert max(abs(a - b) for a, b in zip(losses, undelayed_losses)) > 1e-4
-    for name, value in results[0][2].items():  # the ranks agree on the landed weights
+    resident = results[0][3]
+    all_names = {n for n, _ in make_model().named_parameters()}
+    assert resident and resident < all_names  # both kinds of bucket
+    ref_losses, ref_running, ref_master = reference(STEPS, WARMUP, resident=resident)
+    for pure in (reference(STEPS, WARMUP), reference(STEPS, None)):
+        assert max(abs(a - b) for a, b in zip(ref_losses, pure[0])) > 1e-3
+        assert max(float((ref_master[n] - pure[2][n]).abs().max()) for n in ref_master) > 1e-3
+    for losses, running, landed, names in results:
+        assert names == resident
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert_close(running, ref_running)
+        assert_close(landed, ref_master)
+    for name, value in results[0][2].items():  # and the ranks on the landed weights, exactly
         assert torch.equal(results[1][2][name], value), name
 
 
@@ -206,6 +230,48 @@ def test_an_error_in_the_background_step_is_raised_on_the_main_thread_until_a_lo
         assert len(messages) == 2
         for message, cause in messages:
             assert "delayed_update" in message and "load a checkpoint" in message and "beta" in cause.lower()
+
+
+FAILING_RANK, FAILING_STEP = 1, 3
+
+
+def one_rank_fails(rank, world):
+    """Rank 1's CPU Adam raises in the background step of step 3; every rank times step 4, which lands it."""
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=delayed_config(world, 2))
+    cls, real_step = type(engine.optimizer.optimizer), type(engine.optimizer.optimizer).step
+    failing = threading.Event()
+
+    def step(self, *args, **kwargs):
+        if failing.is_set() and threading.current_thread() is not threading.main_thread():
+            raise FloatingPointError("injected CPU Adam failure")
+        return real_step(self, *args, **kwargs)
+
+    cls.step = step  # this worker process only
+    train(engine, rank, world, 0, FAILING_STEP)
+    if rank == FAILING_RANK:
+        engine.optimizer.wait_delayed_update()  # step 2's background step is done: only step 3's fails
+        failing.set()
+    train(engine, rank, world, FAILING_STEP, 1)  # its update fails in the background, unseen so far
+    start, message = time.monotonic(), None
+    try:
+        train(engine, rank, world, FAILING_STEP + 1, 1)  # lands it
+    except Exception as error:  # noqa: BLE001 (whatever it is, the test names it)
+        message = f"{type(error).__name__}: {error}"
+    elapsed = time.monotonic() - start
+    # Rank 1 stays up until every rank is done (a rank that exits at once breaks its peers' collective with
+    # "connection closed", which would hide a peer left waiting in it until the timeout).
+    zeroengine.comm.barrier()
+    return message, elapsed
+
+
+def test_a_background_step_failing_on_one_rank_stops_every_rank_promptly_naming_it():
+    """Rank 1 must not raise alone, leaving rank 0 in the landing's all-gather until the comm timeout: every rank
+    raises within seconds (the process group's timeout here is 60 s), naming rank 1 and its error."""
+    for rank, (message, elapsed) in enumerate(run_distributed(one_rank_fails, 2, timeout_s=60)):
+        assert message is not None, f"rank {rank} trained on"
+        assert "rank 1" in message and "FloatingPointError: injected CPU Adam failure" in message, (rank, message)
+        assert "rank 0" not in message and "load a checkpoint" in message, (rank, message)
+        assert elapsed < 20, (rank, elapsed, message)
 
 
 def test_the_config_describes_the_mode():

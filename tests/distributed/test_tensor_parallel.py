@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron_mpu import TensorMpuWithModelGroup
 from parity import ADAM_EPS, base_config
 from test_real_models import build as build_dense
 from test_real_models import loss_of
@@ -156,46 +157,6 @@ def _train_bf16(rank, world):
     return {"losses": losses, "state": local_state(model)}
 
 
-class _Mpu:
-    """A Megatron-style model-parallel unit over a world of 4: tensor pairs (0, 1) and (2, 3), data pairs (0, 2)
-    and (1, 3): Megatron's numbering, made by the user, not by zeroengine."""
-
-    def __init__(self):
-        from zeroengine.comm.groups import new_group
-
-        rank = zeroengine.comm.get_rank()
-        self.tp = {r: g for ranks in ([0, 1], [2, 3]) for g in [new_group(ranks)] for r in ranks}[rank]
-        self.dp = {r: g for ranks in ([0, 2], [1, 3]) for g in [new_group(ranks)] for r in ranks}[rank]
-        self.rank = rank
-
-    def get_data_parallel_group(self):
-        return self.dp
-
-    def get_data_parallel_world_size(self):
-        return 2
-
-    def get_data_parallel_rank(self):
-        return self.rank // 2
-
-    def get_tensor_model_parallel_group(self):
-        return self.tp
-
-    def get_tensor_model_parallel_world_size(self):
-        return 2
-
-    def get_tensor_model_parallel_rank(self):
-        return self.rank % 2
-
-    def get_model_parallel_group(self):
-        return self.tp
-
-    def get_model_parallel_world_size(self):
-        return 2
-
-    def get_model_parallel_rank(self):
-        return self.rank % 2
-
-
 def _regression_batch(step: int):
     """4 rows and targets (the layer norm's output is regressed onto them: a loss whose gradients are well above
     rounding noise, which Adam would otherwise turn into lr-sized steps)."""
@@ -207,7 +168,7 @@ def _train_with_mpu(rank, world):
     """Layers of one's own on the mpu's tensor group; ZeRO 1 over the mpu's data group."""
     from zeroengine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    mpu = _Mpu()
+    mpu = TensorMpuWithModelGroup()
     torch.manual_seed(0)
     model = torch.nn.Sequential(ColumnParallelLinear(8, 16, group=mpu.tp), torch.nn.Tanh(),
                                 RowParallelLinear(16, 8, group=mpu.tp), torch.nn.LayerNorm(8))

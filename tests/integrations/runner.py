@@ -48,7 +48,10 @@ def launch(how: str, procs: int, argv: list[str]) -> list[str]:
     raise ValueError(how)
 
 
-def run(command: list[str], switch: bool = True, timeout: float = 420, cwd: str | None = None):
+def run(command: list[str], switch: bool = True, timeout: float = 240, cwd: str | None = None):
+    """Run ``command`` to completion; a non-zero exit fails with its output. ``timeout`` is below pytest's own
+    (300 s, pyproject.toml), so a hung run fails naming its command; a test making several runs carries a
+    ``pytest.mark.timeout`` covering them (tests/unit/test_test_timeouts.py)."""
     proc = subprocess.run(command, env=environment(switch), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     assert proc.returncode == 0, f"{' '.join(command)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     return proc

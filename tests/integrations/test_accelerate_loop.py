@@ -5,7 +5,7 @@ gives the same next steps exactly; ``get_state_dict`` gives the full weights. ``
 import pytest
 from runner import launch, read, run, script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(780)]  # 3 runs, runner.run's 240 s each
 
 
 @pytest.mark.parametrize("dummy", [False, True], ids=["torch-optimizer", "dummy-optimizer"])

@@ -2,6 +2,8 @@
 availability and version checks) get zeroengine with the variable set, through the start-up hook pip installs,
 and the real DeepSpeed (or an ImportError) without it."""
 import json
+import site
+import sys
 
 import pytest
 from runner import launch, run, script
@@ -42,15 +44,59 @@ def test_with_the_switch_every_path_the_integrations_import_is_zeroengine():
     assert seen["logger"] == "zeroengine" and seen["comm_initialized"] is False
     assert seen["accelerator"] == ["cpu", "gloo"] or seen["accelerator"][1] == "nccl"
     assert seen["cpu_adam"][:2] == ["DeepSpeedCPUAdam", "CPUAdam"] and seen["optimizer_base"] == "ZeroOptimizer"
-    assert seen["clone_is_a_copy"]
+    # a copy: its own storage (a view's clone no longer holds its base), the same values, and writing it leaves
+    # the original as it was
+    assert seen["clone"] == {"own_storage": True, "equal": True, "original_unchanged": True,
+                             "view_trimmed": True, "nested": True}
     assert seen["transformers_sees_it"] and seen["accelerate_sees_it"]
     assert "deepspeed.no_such_module" in seen["missing_module"]  # a name zeroengine lacks is an ImportError
 
 
-@pytest.mark.parametrize("value", ["0", "false", ""])
+@pytest.mark.parametrize("value", [*as_deepspeed.OFF_VALUES, "FALSE", "No", " Off ", "\t0\n"])
 def test_the_switch_off_values_switch_nothing(value):
+    """0, false, no, off and empty (in any case, spaces around ignored) are off, as docs/integrations.md says."""
+    assert set(as_deepspeed.OFF_VALUES) == {"", "0", "false", "no", "off"}
     assert not as_deepspeed.requested({"ZEROENGINE_AS_DEEPSPEED": value})
-    assert as_deepspeed.requested({"ZEROENGINE_AS_DEEPSPEED": "1"})
+    assert not as_deepspeed.requested({})
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes", "on", "TRUE"])
+def test_the_switch_on_values_switch_it_on(value):
+    assert as_deepspeed.requested({"ZEROENGINE_AS_DEEPSPEED": value})
+
+
+def _site_dirs(monkeypatch, site_packages, user_site):
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(site_packages)])
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(user_site))
+    monkeypatch.setattr(site, "ENABLE_USER_SITE", True)
+
+
+def test_a_hook_only_on_sys_path_is_not_installed(tmp_path, monkeypatch):
+    """site runs .pth files from site directories only: one in the current directory or on PYTHONPATH never
+    runs, so it does not count as installed."""
+    plain, site_packages, user_site = (tmp_path / name for name in ("on_path", "site-packages", "user-site"))
+    for folder in (plain, site_packages, user_site):
+        folder.mkdir()
+    (plain / as_deepspeed.HOOK_NAME).write_text("# not run\n")
+    _site_dirs(monkeypatch, site_packages, user_site)
+    monkeypatch.setattr(sys, "path", [str(plain), ""])
+    monkeypatch.chdir(plain)
+    assert as_deepspeed.startup_hook_installed() is None
+
+
+@pytest.mark.parametrize("where", ["site-packages", "user-site"])
+def test_a_hook_in_a_site_directory_is_installed(tmp_path, monkeypatch, where):
+    site_packages, user_site = tmp_path / "site-packages", tmp_path / "user-site"
+    for folder in (site_packages, user_site):
+        folder.mkdir()
+    hook = tmp_path / where / as_deepspeed.HOOK_NAME
+    hook.write_text("# run at start-up\n")
+    _site_dirs(monkeypatch, site_packages, user_site)
+    monkeypatch.setattr(sys, "path", [])
+    assert as_deepspeed.startup_hook_installed() == str(hook)
+    if where == "user-site":  # python -s (or an environment that disables the user site) runs none of it
+        monkeypatch.setattr(site, "ENABLE_USER_SITE", False)
+        assert as_deepspeed.startup_hook_installed() is None
 
 
 def test_the_launcher_flag_switches_the_ranks(tmp_path):

@@ -1,13 +1,19 @@
 """The engine as DeepSpeed's integrations use it (one process): an nn.Module wrapping the model,
 backward(scale_wrt_gas=...), destroy(), engine.config read as a dict, the stage-3 16-bit state_dict, and the
 ``deepspeed`` names with DeepSpeed's signatures (init_distributed, DeepSpeedCPUAdam)."""
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
+from runner import environment, script
 
 import zeroengine
 from zeroengine.integrations.ds_compat import init_distributed
 from zeroengine.integrations.ds_compat.ops.adam import DeepSpeedCPUAdam
+from zeroengine.testing import free_port
 
 
 def _model(seed=0):
@@ -109,9 +115,47 @@ def test_init_distributed_takes_deepspeeds_keywords_and_refuses_a_world_it_does_
     from datetime import timedelta
 
     init_distributed(dist_backend="gloo", auto_mpi_discovery=False, distributed_port=29500,
-                     timeout=timedelta(seconds=60))  # already initialised here: returns
+                     timeout=timedelta(seconds=60))  # already initialised here: returns (the next test starts one)
     with pytest.raises(ValueError, match="reads the world from the launcher's environment"):
         init_distributed(rank=0, world_size=1)
+
+
+def test_initialize_refuses_mesh_param_saying_where_the_mesh_comes_from():
+    from zeroengine.integrations.ds_compat import initialize
+
+    with pytest.raises(ValueError, match="mesh_param.*tensor_parallel.autotp_size, a PipelineModule's stages, or "
+                                         "an mpu"):
+        initialize(model=_model(), config=_config(0), mesh_param=(2, 1))
+
+
+def _start_group_in_a_fresh_process(entry: str, port: int, seconds: float, master_port: int | None) -> dict:
+    env = environment(switch=False)  # no rank variables: set here as a launcher would, MASTER_PORT only if given
+    env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    if master_port is not None:
+        env["MASTER_PORT"] = str(master_port)
+    command = [sys.executable, script("init_distributed_probe.py"), entry, str(port), str(seconds)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("entry", ["zeroengine", "deepspeed"])
+def test_init_distributed_rendezvous_at_distributed_port_with_the_timeout_given(entry):
+    """From no process group, a launcher's world without MASTER_PORT: the group meets at distributed_port, and
+    its store and collectives give up after ``timeout`` (recorded for zeroengine's own messages too)."""
+    port = free_port()
+    seen = _start_group_in_a_fresh_process(entry, port, 77, master_port=None)
+    assert seen["world"] == 1
+    assert seen["store_port"] == port and seen["master_port_env"] == str(port)
+    assert seen["store_timeout_s"] == seen["group_timeout_s"] == seen["recorded_timeout_s"] == 77
+
+
+def test_init_distributed_port_gives_way_to_the_launchers_master_port():
+    """As DeepSpeed: distributed_port is the default for a world whose environment names no port."""
+    port, launchers = free_port(), free_port()
+    seen = _start_group_in_a_fresh_process("deepspeed", port, 33, master_port=launchers)
+    assert seen["store_port"] == launchers and seen["master_port_env"] == str(launchers)
+    assert seen["store_timeout_s"] == seen["group_timeout_s"] == 33
 
 
 def test_deepspeed_cpu_adam_matches_torch_adam_and_refuses_what_it_cannot_do():

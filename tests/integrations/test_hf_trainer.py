@@ -11,7 +11,7 @@ import shutil
 import pytest
 from runner import config, launch, read, relative_difference, run, script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(780)]  # up to 3 runs (fixtures included), runner.run's 240 s each
 TRAINER = script("hf_trainer_run.py")
 SAVE_STEPS = 3
 

@@ -6,7 +6,7 @@ ModelCheckpoint resumes in a fresh process onto the same later steps."""
 import pytest
 from runner import launch, read, run, script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(780)]  # up to 3 runs, runner.run's 240 s each
 RANKS = 2
 
 

@@ -11,11 +11,17 @@
 from .checkpoint import CheckpointFunction, checkpoint, is_recomputing
 from .config import Settings, configure, current, is_configured, reset
 from .profile import format_profile, profile_report, reset_profile
-from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from .rng_tracker import (
+    RNGStatesTracker,
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_reconfigure_tp_seed,
+)
 from .wrap import checkpoint_modules, uncheckpoint_modules
 
 __all__ = [
     "CheckpointFunction", "RNGStatesTracker", "Settings", "checkpoint", "checkpoint_modules", "configure",
     "current", "format_profile", "get_cuda_rng_tracker", "is_configured", "is_recomputing",
-    "model_parallel_cuda_manual_seed", "profile_report", "reset", "reset_profile", "uncheckpoint_modules",
+    "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "profile_report", "reset",
+    "reset_profile", "uncheckpoint_modules",
 ]

@@ -9,8 +9,9 @@ the next forward, must not notice that a recompute happened).
 
 Generators recorded: the CPU default generator, the CUDA default generator of
 each device the segment's inputs live on (plus the current device), and the
-named states of the model-parallel tracker (Megatron-style tensor-parallel
-dropout draws from the tracker's 'model-parallel-rng' state).
+streams of the model-parallel tracker (rng_tracker.py: tensor-parallel dropout
+draws from its 'model-parallel-rng' stream, as Megatron's CheckpointFunction
+replays it too).
 """
 from __future__ import annotations
 
@@ -19,103 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-MODEL_PARALLEL_RNG = "model-parallel-rng"
+from .rng_tracker import get_cuda_rng_tracker
+
+_TRACKER = get_cuda_rng_tracker()
 
 
 def _cuda_ready() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-class RNGStatesTracker:
-    """Named generator states that code can fork into (``with tracker.fork(): dropout(x)``).
-
-    DeepSpeed's and Megatron's ``CudaRNGStatesTracker``: each name holds a
-    separate stream of random numbers (e.g. one seeded per tensor-parallel rank
-    for dropout inside tensor-parallel regions, so ranks draw different masks).
-    The states live on the accelerator's default generator; on a machine
-    without CUDA they live on the CPU generator, which is what dropout on CPU
-    tensors draws from, so the same model code works on both.
-    """
-
-    def __init__(self):
-        self.states: dict[str, torch.Tensor] = {}
-        self.seeds: set[int] = set()
-
-    @staticmethod
-    def _on_cuda() -> bool:
-        return torch.cuda.is_available()
-
-    def _get(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state() if self._on_cuda() else torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self._on_cuda():
-            torch.cuda.set_rng_state(state)
-        else:
-            torch.set_rng_state(state)
-
-    def reset(self) -> None:
-        self.states = {}
-        self.seeds = set()
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return {name: state.clone() for name, state in self.states.items()}
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {name: state.clone() for name, state in states.items()}
-
-    def add(self, name: str, seed: int) -> None:
-        if seed in self.seeds:
-            raise ValueError(f"seed {seed} already exists in the RNG tracker")
-        if name in self.states:
-            raise ValueError(f"RNG state {name!r} already exists in the tracker")
-        self.seeds.add(seed)
-        saved = self._get()
-        if self._on_cuda():
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-        self.states[name] = self._get()
-        self._set(saved)
-
-    @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Draw from the named state inside the block; the default state is untouched afterwards."""
-        if name not in self.states:
-            raise KeyError(f"RNG state {name!r} is not in the tracker (add it first)")
-        saved = self._get()
-        self._set(self.states[name])
-        try:
-            yield
-        finally:
-            self.states[name] = self._get()
-            self._set(saved)
-
-
-_TRACKER = RNGStatesTracker()
-
-
-def get_cuda_rng_tracker() -> RNGStatesTracker:
-    """The process-wide tracker (DeepSpeed's name; it also works without CUDA)."""
-    return _TRACKER
-
-
-def model_parallel_cuda_manual_seed(seed: int, model_parallel_rank: int | None = None) -> None:
-    """Seed like Megatron: the default generator gets ``seed`` (the same on every tensor-parallel rank),
-    the tracker's 'model-parallel-rng' state gets ``seed + 2718 + tp_rank`` (different per rank).
-
-    ``model_parallel_rank`` defaults to the rank in the model-parallel group given to ``configure``.
-    """
-    if model_parallel_rank is None:
-        from .config import current
-
-        model_parallel_rank = current().mp_rank
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed(seed)
-    else:
-        torch.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + model_parallel_rank)
 
 
 @dataclass
@@ -124,7 +35,7 @@ class RNGState:
 
     cpu: torch.Tensor
     cuda: dict[int, torch.Tensor] = field(default_factory=dict)
-    tracker: dict[str, torch.Tensor] = field(default_factory=dict)
+    tracker: dict[str, dict] = field(default_factory=dict)  # the tracker's get_states()
 
     @classmethod
     def capture(cls, tensors) -> "RNGState":

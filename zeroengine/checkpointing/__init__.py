@@ -16,6 +16,7 @@ from zeroengine.activation_checkpointing import (
     is_configured,
     is_recomputing,
     model_parallel_cuda_manual_seed,
+    model_parallel_reconfigure_tp_seed,
     profile_report,
     reset,
     reset_profile,
@@ -25,5 +26,6 @@ from zeroengine.activation_checkpointing import (
 __all__ = [
     "CheckpointFunction", "RNGStatesTracker", "Settings", "checkpoint", "checkpoint_modules", "configure",
     "current", "format_profile", "get_cuda_rng_tracker", "is_configured", "is_recomputing",
-    "model_parallel_cuda_manual_seed", "profile_report", "reset", "reset_profile", "uncheckpoint_modules",
+    "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "profile_report", "reset",
+    "reset_profile", "uncheckpoint_modules",
 ]

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .groups import forget_world
 from .handshake import comm_timeout_s, default_timeout_s
 from .sequence_check import CollectiveSequenceChecker
 
@@ -138,6 +139,7 @@ def shutdown() -> None:
     active exception", seen in the example run under load)."""
     if not dist.is_initialized():
         return
+    forget_world()  # the groups cached for this world (meshes, host twins, expert groups) die with it
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         dist.destroy_process_group()

@@ -23,6 +23,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os
+import site
 import sys
 
 from zeroengine.integrations import accelerate_cpu
@@ -38,7 +39,8 @@ DEEPSPEED_VERSION = "0.16.4"
 
 ALIAS = "deepspeed"
 TARGET = "zeroengine.integrations.ds_compat"
-OFF_VALUES = ("", "0", "false", "no", "off")
+OFF_VALUES = ("", "0", "false", "no", "off")  # compared stripped and lower-cased
+HOOK_NAME = "zeroengine_as_deepspeed.pth"
 
 
 def requested(environ=None) -> bool:
@@ -148,13 +150,20 @@ def active() -> bool:
 
 def startup_hook_installed() -> str | None:
     """The path of the start-up ``.pth`` that honours the variable, or None when it is missing
-    (ze_report says so: ``pip install`` zeroengine again to restore it)."""
-    import site
+    (ze_report says so: ``pip install`` zeroengine again to restore it).
 
-    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
-    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
-    for directory in dirs + ([user] if user else []) + sys.path:
-        candidate = os.path.join(directory or ".", "zeroengine_as_deepspeed.pth")
+    Only where ``site`` runs ``.pth`` files counts: the site-packages directories and, when enabled, the user's
+    site-packages. A copy in the current directory or on ``PYTHONPATH`` is on ``sys.path`` but never runs."""
+    for directory in _site_directories():
+        candidate = os.path.join(directory, HOOK_NAME)
         if os.path.isfile(candidate):
             return candidate
     return None
+
+
+def _site_directories() -> list[str]:
+    """The directories whose ``.pth`` files ``site`` runs at start-up, in its order."""
+    directories = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE and hasattr(site, "getusersitepackages"):
+        directories.append(site.getusersitepackages())
+    return [d for d in directories if d]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from zeroengine import comm
-from zeroengine.comm.groups import new_group
+from zeroengine.comm.groups import WorldScoped, new_group
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,7 @@ class ExpertGroups:
         return len(self.edp_ranks)
 
 
-_CACHE: dict[tuple, ExpertGroups] = {}
-
-
-def _world_key() -> object:
-    # A new default group (a test that re-initialises torch.distributed) invalidates cached sub-groups.
-    return id(dist.distributed_c10d._get_default_group()) if dist.is_initialized() else None
+_CACHE = WorldScoped()  # (ep_size, world) -> this world's expert groups
 
 
 def expert_groups(ep_size: int) -> ExpertGroups:
@@ -59,8 +54,8 @@ def expert_groups(ep_size: int) -> ExpertGroups:
     world = comm.get_world_size()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"ep_size ({ep_size}) must divide the world size ({world})")
-    key = (ep_size, world, _world_key())
-    cached = _CACHE.get(key)
+    key = (ep_size, world)
+    cached = _CACHE.current().get(key)
     if cached is not None:
         return cached
     if not dist.is_initialized():
@@ -80,5 +75,5 @@ def expert_groups(ep_size: int) -> ExpertGroups:
             if rank in ranks:
                 mine_edp = (group, ranks)
         groups = ExpertGroups(ep_size, world, mine_ep[0], mine_edp[0], mine_ep[1], mine_edp[1])
-    _CACHE[key] = groups
+    _CACHE.current()[key] = groups
     return groups

@@ -32,6 +32,12 @@ parts (MoE domains) share one optimizer and run one at a time (``_ONE_AT_A_TIME`
 
 A failed background step poisons the update: every later attempt to use it
 raises, until a checkpoint load replaces masters and state (:meth:`discard`).
+Its rank must not raise alone at the landing: its peers would wait in the
+landing's all-gather (stage 3: the next forward's gathers) until the comm
+timeout, with no word on why. So landing first agrees on every rank's outcome
+(:func:`zeroengine.comm.outcome.agree_outcome`: one 8-byte status per rank in
+a control all-gather on the host, the error texts only after a failure), and
+then every rank raises the same error, naming the failing ranks and their errors.
 """
 from __future__ import annotations
 
@@ -39,9 +45,28 @@ import threading
 
 import torch
 
+from zeroengine import comm
+from zeroengine.comm.outcome import FAILED, OK, agree_outcome
+
 from .step import pieces_holding, unscale_and_clip
 
 _ONE_AT_A_TIME = threading.Lock()  # background steps of one process (parts sharing one optimizer) in turn
+
+
+class DelayedUpdateError(RuntimeError):
+    """A delayed update's background step failed; ``failed`` maps each failing (global) rank to its error."""
+
+    def __init__(self, failed: dict[int, str]):
+        where = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(failed.items()))
+        super().__init__(
+            f"offload_optimizer.delayed_update: the background optimizer step failed on {where}. Its masters and "
+            "optimizer state are partly updated, so no rank writes the update into the model; load a checkpoint "
+            "to go on")
+        self.failed = failed
+
+
+def _summary(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())  # one line
 
 
 class DelayedUpdate:
@@ -65,7 +90,8 @@ class DelayedUpdate:
         self.host_grads = {b: torch.empty(layout.buckets[b].chunk_numel, dtype=torch.float32, pin_memory=pin)
                            for b in self.buckets}
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # this rank's background step's
+        self._failed: dict[int, str] = {}  # every failing rank's error, once the ranks have agreed on them
         self._landed = True  # whether the last update's masters have been written into the model
         self._group_of: dict[int, int] | None = None
         self.creating_state = False  # the running step is the first: it adds the optimizer's state entries
@@ -92,29 +118,38 @@ class DelayedUpdate:
     def wait(self) -> None:
         """Wait for the background step (local: no collective); raise if it failed (then on every call, until
         :meth:`discard`: its masters and state are partly updated and must not reach the model)."""
+        self.join()
+        if self._error is not None or self._failed:
+            raise DelayedUpdateError(self._failed or {comm.get_rank(): _summary(self._error)}) from self._error
+
+    def join(self) -> None:
+        """Wait for the background step, never raising: for readers of sizes, not values (a memory row), which
+        must not stop one rank alone before the landing tells every rank of a failure."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
             self.creating_state = False
-        if self._error is not None:
-            raise RuntimeError("offload_optimizer.delayed_update: the background optimizer step failed; load a "
-                               "checkpoint to go on") from self._error
 
     def discard(self) -> None:
         """Wait, and forget the write-back and any failure: masters, state and weights are about to be replaced
         (a checkpoint load), or the engine is being destroyed."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        self.join()
         self.creating_state = False
-        self._error = None
+        self._error, self._failed = None, {}
         self._landed = True
 
-    def take_landing(self) -> list[int]:
-        """Wait, then the buckets whose updated masters must now be written into the model (once)."""
-        self.wait()
+    def take_landing(self, group) -> list[int]:
+        """Wait, then the buckets whose updated masters must now be written into the model (once). Collective
+        over ``group`` while an update is pending: the ranks first learn whether any rank's step failed, and
+        then all raise (the update's state is the same on every rank, so all of them call this alike)."""
+        self.join()
         if self._landed:
             return []
+        if not self._failed:  # once agreed, a failure is raised again without another exchange
+            mine = (OK, "") if self._error is None else (FAILED, _summary(self._error))
+            self._failed = {f.rank: f.message for f in agree_outcome(*mine, group=group)}
+        if self._failed:
+            raise DelayedUpdateError(self._failed) from self._error
         self._landed = True
         return self.buckets
 

@@ -24,12 +24,14 @@ nothing for the code that ran before meshes existed; an axis of size 1 other tha
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from zeroengine import comm
-from zeroengine.comm.groups import new_group
+from zeroengine.comm.groups import WorldScoped, new_group
 
 AXES = ("pipe", "data", "tensor")
 
@@ -122,17 +124,12 @@ def _axis_members(pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
     }
 
 
-_CACHE: dict[tuple, ProcessMesh] = {}
-
-
-def _world_key():
-    # A re-initialised default group (tests) invalidates the cached groups.
-    return id(dist.distributed_c10d._get_default_group()) if dist.is_initialized() else None
+_MESHES = WorldScoped()  # (pp, dp, tp) -> the mesh of this world (its groups are made once)
 
 
 def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh") -> ProcessMesh:
     """The mesh of this world for ``pp`` pipeline stages and ``tp``-way tensor parallelism (data parallel gets
-    the rest). Collective on first use of a shape (its groups are created then); cached afterwards."""
+    the rest). Collective on first use of a shape (its groups are created then); cached for this world."""
     world, rank = comm.get_world_size(), comm.get_rank()
     for name, size in (("pipeline stages", pp), ("tensor-parallel size", tp)):
         if not isinstance(size, int) or size < 1:
@@ -142,9 +139,9 @@ def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh") -> ProcessMesh:
                          f"{tp}-way tensor parallelism (pp · tp = {pp * tp} must divide the world size); launch a "
                          f"multiple of {pp * tp} ranks")
     dp = world // (pp * tp)
-    key = (pp, dp, tp, _world_key())
-    if key in _CACHE:
-        return _made(_CACHE[key])
+    meshes = _MESHES.current()
+    if (pp, dp, tp) in meshes:
+        return meshes[pp, dp, tp]
     groups, ranks = {}, {}
     for axis, members in _axis_members(pp, dp, tp).items():
         mine = next(m for m in members if rank in m)
@@ -159,63 +156,91 @@ def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh") -> ProcessMesh:
             group = new_group(m) if dist.is_initialized() else None
             if m is mine:
                 groups[axis] = group
-    mesh = ProcessMesh(pp, dp, tp, rank, groups, ranks)
-    _CACHE[key] = mesh
-    return _made(mesh)
-
-
-_CURRENT: dict = {}  # "mesh": the model-parallel mesh made last, "world": the world it belongs to
-
-
-def _made(mesh: ProcessMesh) -> ProcessMesh:
-    if mesh.model_parallel:
-        _CURRENT.update(mesh=mesh, world=_world_key())
+    mesh = meshes[pp, dp, tp] = ProcessMesh(pp, dp, tp, rank, groups, ranks)
     return mesh
 
 
+# Note: which tensor group a tensor-parallel layer built without one takes.
+# Inside ``with use_mesh(mesh):`` (a PipelineModule builds its layers so, on its own mesh), that mesh's.
+# Elsewhere, the tensor-parallel mesh of this world: the meshes built so far split tensors one way (one
+# tensor size), or the choice is ambiguous and refused; with none, tensors are not split (size 1).
+_ACTIVE: contextvars.ContextVar[ProcessMesh | None] = contextvars.ContextVar("zeroengine_mesh", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: ProcessMesh):
+    """Tensor-parallel layers built inside take ``mesh``'s tensor group (and the RNG tracker its tensor rank)."""
+    token = _ACTIVE.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _ACTIVE.reset(token)
+
+
 def current_mesh() -> ProcessMesh:
-    """The model-parallel mesh made last in this world (the one tensor-parallel layers built without a group
-    use), else the plain data-parallel one."""
-    if "mesh" in _CURRENT and _CURRENT["world"] == _world_key():
-        return _CURRENT["mesh"]
-    return data_parallel_mesh()
+    """The mesh tensor-parallel layers built without a group use (see the note above)."""
+    active = _ACTIVE.get()
+    if active is not None:
+        return active
+    split = {mesh.tp: mesh for mesh in _MESHES.current().values() if mesh.tp > 1}
+    if len(split) > 1:
+        raise ValueError(f"this world has meshes of {len(split)} tensor-parallel sizes ({sorted(split)}): a "
+                         "tensor-parallel layer built without group= cannot tell which to use; pass group=, or build "
+                         "it inside `with zeroengine.parallel.use_mesh(mesh):`")
+    return next(iter(split.values())) if split else data_parallel_mesh()
+
+
+_MPU_DATA = ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank")
 
 
 def mesh_from_mpu(mpu, pp: int = 1) -> ProcessMesh:
-    """A mesh whose data-parallel group is a Megatron-style ``mpu``'s (``get_data_parallel_group()`` and
-    friends, as Megatron-DeepSpeed passes to ``initialize(mpu=...)``): the user's groups are used as given."""
-    def size(*names):
-        for name in names:
-            if hasattr(mpu, name):
-                return int(getattr(mpu, name)())
-        return 1
-    missing = [n for n in ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank")
-               if not hasattr(mpu, n)]
-    if missing:
-        raise ValueError(f"initialize(mpu=...): the mpu lacks {', '.join(missing)} (a Megatron-style model-parallel "
-                         "unit provides get_data_parallel_group/_rank/_world_size)")
-    tp = size("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
-    pp = size("get_pipeline_model_parallel_world_size") if pp == 1 else pp
+    """A mesh whose groups are a Megatron-style ``mpu``'s (``get_data_parallel_group()`` and friends, as
+    Megatron-DeepSpeed passes to ``initialize(mpu=...)``): the user's groups are used as given. A method the
+    engine needs and the mpu lacks is an error naming it: ZeRO would otherwise reduce over the wrong ranks."""
+    def has(name):
+        return callable(getattr(mpu, name, None))
+
+    def first(*names, default=None):
+        return next((getattr(mpu, n)() for n in names if has(n)), default)
+
+    def require(what, *names):
+        if not any(has(n) for n in names):
+            raise ValueError(f"initialize(mpu=...): the mpu lacks {' or '.join(names)}, which {what}")
+
+    for name in _MPU_DATA:
+        require("ZeRO needs to partition and reduce over the data-parallel ranks (a Megatron-style model-parallel "
+                "unit provides get_data_parallel_group/_rank/_world_size)", name)
+    tp = int(first("get_tensor_model_parallel_world_size", "get_model_parallel_world_size", default=1))
+    pp = int(first("get_pipeline_model_parallel_world_size", default=1)) if pp == 1 else pp
     dp = int(mpu.get_data_parallel_world_size())
     world = comm.get_world_size()
     if dp * tp * pp != world:
         raise ValueError(f"initialize(mpu=...): data ({dp}) × tensor ({tp}) × pipeline ({pp}) parallel sizes give "
                          f"{dp * tp * pp} ranks, but the world has {world}")
-    rank = comm.get_rank()
     dp_group = mpu.get_data_parallel_group()
     groups = {"data": None if dp == world else dp_group}
-    if hasattr(mpu, "get_model_parallel_group") and tp * pp > 1:
-        groups["model"] = mpu.get_model_parallel_group()
-    for axis, getter in (("tensor", "get_tensor_model_parallel_group"), ("pipe", "get_pipeline_model_parallel_group")):
-        if hasattr(mpu, getter):
-            groups[axis] = getattr(mpu, getter)()
+    if tp > 1:
+        tensor_getters = ("get_tensor_model_parallel_group",) + (("get_model_parallel_group",) if pp == 1 else ())
+        require(f"the tensor-parallel layers need ({tp}-way tensor parallelism)", *tensor_getters)
+        groups["tensor"] = first(*tensor_getters)
+    if pp > 1:
+        require(f"pipeline parallelism needs ({pp} stages)", "get_pipeline_model_parallel_group")
+        groups["pipe"] = mpu.get_pipeline_model_parallel_group()
+    if tp * pp > 1:
+        # The gradient norm adds up over the ranks holding the model's slices: the mpu's model group, or with
+        # tensor parallelism alone its tensor group. Never the world: that would count every replica again.
+        if has("get_model_parallel_group"):
+            groups["model"] = mpu.get_model_parallel_group()
+        elif pp == 1:
+            groups["model"] = groups["tensor"]
+        else:
+            require(f"the gradient norm adds up over the model's tensor × pipeline slices ({tp} × {pp})",
+                    "get_model_parallel_group")
     ranks = {"data": tuple(dist.get_process_group_ranks(dp_group)) if dist.is_initialized() and dp < world
              else tuple(range(world))}
-    def rank_of(*names):
-        return next((int(getattr(mpu, n)()) for n in names if hasattr(mpu, n)), 0)
-    return _MpuMesh(pp, dp, tp, rank, groups, ranks, int(mpu.get_data_parallel_rank()),
-                    rank_of("get_tensor_model_parallel_rank", "get_model_parallel_rank"),
-                    rank_of("get_pipeline_model_parallel_rank"))
+    return _MpuMesh(pp, dp, tp, comm.get_rank(), groups, ranks, int(mpu.get_data_parallel_rank()),
+                    int(first("get_tensor_model_parallel_rank", "get_model_parallel_rank", default=0)),
+                    int(first("get_pipeline_model_parallel_rank", default=0)))
 
 
 @dataclass(frozen=True)

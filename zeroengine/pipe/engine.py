@@ -5,9 +5,11 @@ of a step are what fills the pipeline). The first and the last stage each read e
 data iterator, ``(inputs, labels)``: the first feeds ``inputs`` to its layers, the last gives its output and
 ``labels`` to ``loss_fn``. In between, stages exchange activations forward and their gradients backward
 (:mod:`.link`) in the configured schedule's order (:mod:`.schedule`). Gradients accumulate over the
-micro-batches; the last backward is the accumulation boundary, where the data-parallel reduction of the
-ZeRO stage runs (and the tied weights' gradients meet at their owner first). The step then runs as
-``engine.step()`` would, its gradient norm summed over every stage.
+micro-batches. Until the last backward a stage only exchanges point-to-point messages; then every rank
+agrees the schedule succeeded everywhere (a stage that failed stops the others, named, instead of leaving
+them waiting: :meth:`PipelineEngine._agreed_schedule`), and only then do the collectives run: the tied
+weights' gradients meet at their owner, the ZeRO stage reduces over the data-parallel group, and the step
+runs as ``engine.step()`` would, its gradient norm summed over every stage.
 
 With virtual stages (``PipelineModule(virtual_stages=v)``) each stage runs v model chunks; a micro-batch goes
 round the ranks v times (the last stage's chunk c feeds the first stage's chunk c + 1), in the interleaved
@@ -20,15 +22,21 @@ import time
 import torch
 
 from zeroengine import comm
+from zeroengine.comm.outcome import FAILED, OK, STOPPED
+from zeroengine.data import RepeatingLoader
 from zeroengine.engine import Engine
 from zeroengine.zero.grad_stores import engine_backward
 
-from .link import StageLink, as_tuple, needs_grad
+from .link import ABORT, END, PeerAborted, StageLink, as_tuple, needs_grad
 from .schedule import schedule_for
 
 _ONLY_BATCHES = ("engine.{}() is not available for a PipelineModule: its layers are spread over the pipeline "
                  "stages, so a step is one engine.train_batch(data_iter) (forward, backward and step of every "
                  "micro-batch), and evaluation engine.eval_batch(data_iter) (DeepSpeed's PipelineEngine rule)")
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step stopped on this rank because another rank's part of it failed (named in the message)."""
 
 
 class PipelineEngine(Engine):
@@ -38,13 +46,7 @@ class PipelineEngine(Engine):
         self.schedule = schedule
         self.stage_id, self.num_stages = mesh.pp_rank, mesh.pp
         self.chunks = self.module.virtual_stages
-        if self.chunks > 1:  # a ring: the last stage's chunks feed the first stage's next ones
-            prev_rank = mesh.stage_rank((self.stage_id - 1) % self.num_stages)
-            next_rank = mesh.stage_rank((self.stage_id + 1) % self.num_stages)
-        else:
-            prev_rank = mesh.stage_rank(self.stage_id - 1) if self.stage_id > 0 else None
-            next_rank = mesh.stage_rank(self.stage_id + 1) if self.stage_id < self.num_stages - 1 else None
-        self.link = StageLink(prev_rank, next_rank, self.device, grad_group=self.module.grad_channel)
+        self.link = StageLink(self.module.channels, self.device)
         self.data_iterator = None
         self.training_dataloader = None
         # What the last train_batch held and took: the most micro-batches with activations alive at once; (when
@@ -84,22 +86,26 @@ class PipelineEngine(Engine):
         mean loss over its micro-batches and data-parallel replicas, on every stage (collective)."""
         self._refuse_if_destroyed("train_batch")
         self.module.train()
-        data = self._iterator(data_iter)
-        order = schedule_for(self.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)
-        run = _MicroBatches(self, data, train=True)
-        backwards = 0
-        self.link.wait_s, start = 0.0, time.perf_counter()
-        try:
+        start = time.perf_counter()
+        self.link.wait_s = 0.0
+
+        def schedule():
+            order = schedule_for(self.schedule, self.stage_id, self.num_stages, self.micro_batches, self.chunks)
+            run = _MicroBatches(self, self._iterator(data_iter), train=True)
             with _SavedBytes(self.measure_activations, self.module) as saved:
                 for op, chunk, i in order:
                     if op == "F":
                         run.forward(chunk, i)
                     else:
-                        backwards += 1
-                        run.backward(chunk, i, boundary=backwards == len(order) // 2)
-            self.link.finish()
-        except BaseException:
+                        run.backward(chunk, i)
+            return run, saved
+
+        try:
+            run, saved = self._agreed_schedule(schedule, "train_batch")
+            self._reduce_accumulated_grads()
+        except BaseException:  # the failed step's gradients go; the next starts from none
             self.optimizer.zero_grad()
+            self.module.tied.drop_copy_grads()
             raise
         self.pipe_stats = {"max_in_flight": run.peak_in_flight, "peak_saved_bytes": saved.peak,
                            "schedule_s": time.perf_counter() - start, "recv_wait_s": self.link.wait_s}
@@ -121,13 +127,17 @@ class PipelineEngine(Engine):
             raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
         was_training = self.module.training
         self.module.eval()
-        run = _MicroBatches(self, self._iterator(data_iter), train=False, compute_loss=compute_loss)
         count = num_micro_batches or self.micro_batches
-        try:
+
+        def forwards():
+            run = _MicroBatches(self, self._iterator(data_iter), train=False, compute_loss=compute_loss)
             for i in range(count):
                 for chunk in range(self.chunks):  # (messages between two ranks keep this order on both)
                     run.forward(chunk, i)
-            self.link.finish()
+            return run
+
+        try:
+            run = self._agreed_schedule(forwards, "eval_batch")
         finally:
             self.module.train(was_training)
         logits = run.outputs if return_logits and self.is_last_stage() else None
@@ -139,11 +149,55 @@ class PipelineEngine(Engine):
             result = self._agreed_loss(run.losses)
         return (result, logits) if return_logits else result
 
+    def _agreed_schedule(self, schedule, what: str):
+        """Run ``schedule()`` (this stage's passes: point-to-point messages only), then agree with every rank how
+        it ended, before any collective. A stage that raises sends an abort to its neighbours (which may be
+        waiting for its messages: they stop too, and pass the abort on), and every rank raises after the
+        agreement, naming the rank that failed; the channels are then drained, so the next step starts clean.
+        The failing rank raises its own error; the others a :class:`PipelineError`."""
+        error = None
+        try:
+            result = schedule()
+        except Exception as exc:  # (not KeyboardInterrupt & co: the process is going away)
+            error = exc
+            self.link.terminate(ABORT)  # before agreeing: a neighbour may be waiting for our next message
+        if error is None:
+            status = OK
+        else:
+            status = STOPPED if isinstance(error, PeerAborted) else FAILED
+        message = f"pipeline stage {self.stage_id}: {type(error).__name__}: {error}" if error is not None else ""
+        failures = comm.agree_outcome(status, message)
+        if failures:
+            self.link.terminate(END)
+            self.link.drain()
+        self.link.finish()
+        if error is None and not failures:
+            return result
+        if status == FAILED or not failures:
+            raise error
+        first = failures[0]
+        raise PipelineError(f"{what} stopped on rank {comm.get_rank()}: rank {first.rank} failed at {first.message}"
+                            + (f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else "")) from error
+
+    def _reduce_accumulated_grads(self) -> None:
+        """The accumulation boundary, once every rank's schedule succeeded: the tied weights' gradients meet at
+        their owner, then the ZeRO stage reduces over the data-parallel group (stages 0-1 reduce only after
+        the boundary's backward, so running it after the last backward changes nothing but the timing)."""
+        optimizer = self.optimizer
+        optimizer.begin_backward(True)
+        try:
+            self.module.tied.reduce_grads()
+        except BaseException:
+            optimizer.cancel_backward()
+            raise
+        optimizer.finish_backward(True)
+        self._backward_since_step = False
+
     def _iterator(self, data_iter):
         if data_iter is not None:
             return data_iter
         if self.data_iterator is None and self.training_dataloader is not None:
-            self.data_iterator = _repeat(self.training_dataloader)
+            self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
         if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
             raise ValueError("train_batch/eval_batch: give data_iter (an iterator of (inputs, labels) micro-batches), "
                              "or pass training_data to zeroengine.initialize")
@@ -166,7 +220,7 @@ class PipelineEngine(Engine):
 
     def _after_optimizer_step(self, result) -> None:
         if result.applied:
-            self.module.sync_tied_weights()  # the owners stepped; the other stages' copies take their values
+            self.module.tied.sync()  # the owners stepped; the other stages' copies take their values
 
 
 class _MicroBatches:
@@ -185,8 +239,9 @@ class _MicroBatches:
             batch = next(self.data)
         except StopIteration:
             raise ValueError(f"the data iterator ran out at micro-batch {i} of the step (a step takes "
-                             f"{self.engine.micro_batches} micro-batches; wrap a finite loader with "
-                             "itertools.cycle or RepeatingLoader)") from None
+                             f"{self.engine.micro_batches} micro-batches): pass an endless iterator, e.g. "
+                             "zeroengine.data.RepeatingLoader(loader) (DeepSpeed's deepspeed.utils.RepeatingLoader), "
+                             "which restarts the loader with a new epoch each pass") from None
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ValueError(f"a pipeline micro-batch must be a pair (inputs, labels), got {type(batch).__name__}"
                              + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
@@ -231,11 +286,13 @@ class _MicroBatches:
             self.live += 1
             self.peak_in_flight = max(self.peak_in_flight, self.live)
 
-    def backward(self, chunk: int, i: int, boundary: bool) -> None:
+    def backward(self, chunk: int, i: int) -> None:
+        """One micro-batch's backward through this chunk; gradients accumulate (the data-parallel reduction waits
+        for the end of the schedule: PipelineEngine._reduce_accumulated_grads)."""
         engine = self.engine
         optimizer = engine.optimizer
         first, last = engine.module.is_first_chunk(chunk), engine.module.is_last_chunk(chunk)
-        optimizer.begin_backward(boundary)
+        optimizer.begin_backward(False)
         try:
             with engine_backward():
                 if last:
@@ -254,12 +311,10 @@ class _MicroBatches:
                 engine.link.send_grads(inputs)
             if last:
                 self.losses[i] = self.losses[i].detach()  # its graph is spent
-            if boundary:
-                engine.module.reduce_tied_grads()
         except BaseException:
             optimizer.cancel_backward()
             raise
-        optimizer.finish_backward(boundary)
+        optimizer.finish_backward(False)
         engine._backward_since_step = False
         self.live -= 1
 
@@ -306,8 +361,3 @@ class _Counted:
 
     def __del__(self):
         self.owner.live -= self.size
-
-
-def _repeat(loader):
-    while True:
-        yield from loader

@@ -21,11 +21,12 @@ from typing import Callable
 import torch
 
 from zeroengine import comm
-from zeroengine.comm.groups import new_group
-from zeroengine.parallel.mesh import ProcessMesh, build_mesh
+from zeroengine.parallel.mesh import ProcessMesh, build_mesh, use_mesh
 
+from .channels import PipeChannels
 from .partition import balanced_parts, layer_weights
 from .spec import LayerSpec, TiedLayerSpec
+from .tied import TiedWeights
 
 
 class PipelineModule(torch.nn.Module):
@@ -71,15 +72,13 @@ class PipelineModule(torch.nn.Module):
         self.parts = balanced_parts(layer_weights(partition_method, self.layer_specs, self._count_params),
                                     self.num_stages * virtual_stages)
         self.tied_modules = torch.nn.ModuleDict()
-        self.tied_stages = self._tied_stages()
         self.chunk_funcs: list[list[Callable]] = []
-        self._build_stage()
-        self.tie_groups = self._make_tie_groups()
-        self._mark_tied_copies()
-        # Interleaved, the pair of neighbouring ranks carries activations one way and gradients the other, and
-        # with two stages both ways at once: gradients get a channel (group) of their own, so a receive never
-        # meets the other kind's message first (NCCL matches point-to-point messages in order).
-        self.grad_channel = self._make_pipe_groups() if virtual_stages > 1 else None
+        with use_mesh(mesh):  # tensor-parallel layers built without a group take this mesh's
+            self._build_stage()
+        self.tied = TiedWeights(self.layer_specs, self.stage_of_layer, mesh, self.tied_modules)
+        self.tied.mark_copies()
+        # the groups activations and gradients travel in between stages (a ring when interleaved)
+        self.channels = PipeChannels(self.mesh, ring=virtual_stages > 1)
 
     # -- construction -----------------------------------------------------------------------------------
     def _count_params(self, index: int) -> int:
@@ -110,16 +109,6 @@ class PipelineModule(torch.nn.Module):
         virtual = next(k for k in range(len(self.parts) - 1) if self.parts[k] <= index < self.parts[k + 1])
         return virtual % self.num_stages
 
-    def _tied_stages(self) -> dict[str, list[int]]:
-        """key -> the stages that use it, ascending (the first owns the weights)."""
-        stages: dict[str, list[int]] = {}
-        for i, layer in enumerate(self.layer_specs):
-            if isinstance(layer, TiedLayerSpec):
-                s = self.stage_of_layer(i)
-                if s not in stages.setdefault(layer.key, []):
-                    stages[layer.key].append(s)
-        return stages
-
     def _build_stage(self) -> None:
         for chunk in range(self.virtual_stages):
             funcs = []
@@ -148,50 +137,6 @@ class PipelineModule(torch.nn.Module):
             (self.seed_fn or torch.manual_seed)(self.base_seed + index)
             return build()
 
-    def _make_tie_groups(self) -> dict[str, tuple[object, list[int]]]:
-        """key -> (group, its global ranks, owner first) for the tied keys this rank holds, over the stages
-        using the key at this rank's data and tensor index. Collective: every rank makes every group."""
-        groups = {}
-        mesh = self.mesh
-        for key in sorted(self.tied_stages):
-            stages = self.tied_stages[key]
-            if len(stages) < 2:
-                continue
-            for data in range(mesh.dp):
-                for tensor in range(mesh.tp):
-                    ranks = [mesh.rank_at(s, data, tensor) for s in stages]
-                    group = new_group(ranks) if comm.get_world_size() > 1 else None
-                    if mesh.rank in ranks:
-                        groups[key] = (group, ranks)
-        return groups
-
-    def _make_pipe_groups(self):
-        """One more group per pipeline line (every rank makes every one: collective); this rank's."""
-        mine = None
-        for ranks in self.mesh.axis_members("pipe"):
-            group = new_group(ranks) if comm.get_world_size() > 1 else None
-            if self.mesh.rank in ranks:
-                mine = group
-        return mine
-
-    def _mark_tied_copies(self) -> None:
-        for key, module in self.tied_modules.items():
-            for p in self.tied_params(key):
-                p._ze_tied_key = key
-                if self.stage_id != self.tied_stages[key][0]:
-                    p._ze_reduced_elsewhere = True  # its gradient goes to the owner stage, which steps it
-
-    def tied_params(self, key: str) -> list[torch.nn.Parameter]:
-        spec = next(s for s in self.layer_specs if isinstance(s, TiedLayerSpec) and s.key == key)
-        module = self.tied_modules[key]
-        params = []
-        for attr in spec.tied_weight_attr:
-            value = module
-            for part in attr.split("."):
-                value = getattr(value, part)
-            params.append(value)
-        return params
-
     # -- what the pipeline engine calls -----------------------------------------------------------------
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
@@ -207,26 +152,6 @@ class PipelineModule(torch.nn.Module):
         """Does ``chunk`` of this stage produce the model's output (the last virtual stage)?"""
         return self.is_last_stage() and chunk == self.virtual_stages - 1
 
-    def owns_tied(self, key: str) -> bool:
-        return self.stage_id == self.tied_stages[key][0]
-
-    @torch.no_grad()
-    def sync_tied_weights(self) -> None:
-        """Every stage's copy of each tied weight takes its owner's values (collective over each tie group)."""
-        for key, (group, ranks) in self.tie_groups.items():
-            for p in self.tied_params(key):
-                comm.broadcast(p.data, src=ranks[0], group=group)
-
-    def reduce_tied_grads(self) -> None:
-        """The owner's gradient of each tied weight becomes the sum of every stage's; the copies drop theirs."""
-        for key, (group, _) in self.tie_groups.items():
-            for p in self.tied_params(key):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                comm.all_reduce(p.grad, group=group)
-                if not self.owns_tied(key):
-                    p.grad = None
-
     def forward(self, inputs, chunk: int = 0):
         """This stage's layers of model chunk ``chunk`` (the only one without virtual stages) on ``inputs``."""
         funcs = self.chunk_funcs[chunk]
@@ -237,17 +162,21 @@ class PipelineModule(torch.nn.Module):
         x = inputs
         for start in range(0, len(funcs), interval):
             segment = funcs[start:start + interval]
-            if self._checkpointable(self.chunk_layers(chunk).start + start, len(segment)):
+            if self._checkpointable(self.chunk_layers(chunk).start + start, segment):
                 x = checkpoint(functools.partial(_run_unpacked, segment), *(x if isinstance(x, tuple) else (x,)))
             else:
                 x = _run(segment, x)
         return x
 
-    def _checkpointable(self, first: int, count: int) -> bool:
-        if self.checkpointable_layers is None:
-            return True
-        names = {_name_of(self.layer_specs[i]) for i in range(first, first + count)}
-        return any(n in self.checkpointable_layers for n in names)
+    def _checkpointable(self, first: int, segment: list[Callable]) -> bool:
+        """DeepSpeed's rule: with ``checkpointable_layers``, a segment is recomputed when all its layers' types
+        are listed; without, when it holds parameters (a parameter-free segment, say a reshaping function,
+        saves nothing worth recomputing)."""
+        if self.checkpointable_layers is not None:
+            names = [_name_of(self.layer_specs[i]) for i in range(first, first + len(segment))]
+            return all(n in self.checkpointable_layers for n in names)
+        modules = [f.args[0] if isinstance(f, functools.partial) else f for f in segment]  # (a tied use's module)
+        return any(isinstance(m, torch.nn.Module) and next(m.parameters(), None) is not None for m in modules)
 
 
 def _run(funcs, x):

@@ -21,6 +21,11 @@ Recognised by structure, not by model name (so Mistral, Qwen2 and their relative
 
 What is not listed (norms, position embeddings, routers) stays replicated: every tensor rank holds it and
 computes the same gradient for it.
+
+Random numbers follow Megatron (rng.py's note): conversion makes the default generators agree across the tensor
+group, and each split attention and MLP block runs from its entry to its row-parallel layer inside the model-parallel
+RNG tracker's fork, so dropout of this rank's heads draws its own masks while dropout of replicated activations
+draws the same masks on every tensor rank.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import torch
 
 from .layers import ParallelLinear, VocabParallelEmbedding, split_param
 from .ops import TensorGroup, copy_to, reduce_from
+from .rng import SplitRegion, share_generators
 
 
 @dataclass
@@ -84,7 +90,9 @@ def _heads_divide(name: str, heads: int, tg: TensorGroup, what: str) -> None:
 
 
 def convert(model: torch.nn.Module, tg: TensorGroup) -> AutoTPResult:
-    """Replace ``model``'s recognised layers in place by tensor-parallel ones over ``tg``."""
+    """Replace ``model``'s recognised layers in place by tensor-parallel ones over ``tg``. Collective over ``tg``
+    (the ranks agree on their random streams)."""
+    share_generators(tg)
     result = AutoTPResult(tg.size)
     for name, module in list(model.named_modules()):
         children = dict(module.named_children())
@@ -95,10 +103,12 @@ def convert(model: torch.nn.Module, tg: TensorGroup) -> AutoTPResult:
             module.num_heads //= tg.size
             module.split_size //= tg.size
             module.embed_dim //= tg.size
+            SplitRegion.around(module, module.c_proj)
             result.attention.append(name)
         elif _is_conv1d(children.get("c_fc")) and _is_conv1d(children.get("c_proj")):
             module.c_fc = _column(module.c_fc, tg, input_major=True)
             module.c_proj = _row(module.c_proj, tg, input_major=True)
+            SplitRegion.around(module, module.c_proj)
             result.mlp.append(name)
         elif all(_linear(children.get(k)) for k in ("q_proj", "k_proj", "v_proj", "o_proj")):
             head_dim = getattr(module, "head_dim", None)
@@ -111,12 +121,14 @@ def convert(model: torch.nn.Module, tg: TensorGroup) -> AutoTPResult:
                 setattr(module, proj, _column(getattr(module, proj), tg, input_copied=True))
             module.o_proj = _row(module.o_proj, tg)
             _copy_input_once(module, tg)
+            SplitRegion.around(module, module.o_proj)
             result.attention.append(name)
         elif all(_linear(children.get(k)) for k in ("gate_proj", "up_proj", "down_proj")):
             module.gate_proj = _column(module.gate_proj, tg, input_copied=True)
             module.up_proj = _column(module.up_proj, tg, input_copied=True)
             module.down_proj = _row(module.down_proj, tg)
             _copy_input_once(module, tg)
+            SplitRegion.around(module, module.down_proj)
             result.mlp.append(name)
         elif _splittable_experts(module, tg):
             _split_experts(module, tg)

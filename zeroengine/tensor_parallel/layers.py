@@ -109,7 +109,7 @@ class ParallelLinear(torch.nn.Module):
 
 class ColumnParallelLinear(ParallelLinear):
     """``nn.Linear(in_features, out_features)`` with its output features split across the tensor group (``group``:
-    a process group or TensorGroup; None: the tensor group of the mesh made last, see build_mesh)."""
+    a process group or TensorGroup; None: see zeroengine.parallel.mesh.current_mesh)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  group=None):
@@ -208,7 +208,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 def _group(group) -> TensorGroup:
-    """The tensor group: the one given, else that of the mesh made last (zeroengine.parallel.build_mesh)."""
+    """The tensor group: the one given, else that of :func:`zeroengine.parallel.mesh.current_mesh` (the mesh of an
+    enclosing ``use_mesh``, else this world's tensor-parallel mesh)."""
     if group is not None:
         return TensorGroup.of(group)
     from zeroengine.parallel.mesh import current_mesh

@@ -66,6 +66,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, timeout_s, thread
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, "ok", buffer.getvalue()))
+        _leave_store_host_last(rank, world_size)
     except BaseException:  # report everything, including assertion failures and SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -74,6 +75,25 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, timeout_s, thread
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _leave_store_host_last(rank: int, world_size: int, deadline_s: float = 30.0) -> None:
+    """Rank 0 hosts the rendezvous store: had it left before a peer read what it last posted there (a
+    checkpoint's commit outcome), that peer would fail with "rank 0 has died". So the others note that they
+    are leaving, and rank 0 waits for those notes (bounded) before it goes. The others do not wait: a test may
+    have a rank leave early on purpose, for its peer to see it gone."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or world_size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        if rank != 0:
+            store.set(f"zeroengine_harness_left/{rank}", b"")
+        else:
+            store.wait([f"zeroengine_harness_left/{r}" for r in range(1, world_size)], timedelta(seconds=deadline_s))
+    except Exception:  # a peer that failed or is stuck is the parent's to report
+        pass
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, env: dict | None = None, **kwargs):

@@ -144,7 +144,7 @@ class ShardedOptimizer(ZeroOptimizer):
         """Wait only if the background step may be adding optimizer state (its first step): reading the state's
         sizes is safe otherwise, and a monitor's memory row then leaves the overlap alone."""
         if self.delayed is not None and self.delayed.creating_state:
-            self.delayed.wait()
+            self.delayed.join()  # sizes only: a failure is for the landing to raise, on every rank at once
 
     def discard_delayed_update(self) -> None:
         if self.delayed is not None:
@@ -155,7 +155,9 @@ class ShardedOptimizer(ZeroOptimizer):
         all-gather). Called where every rank is: the next step's start, saving, a modifying GatheredParameters."""
         if self.delayed is None:
             return
-        landed = set(self.delayed.take_landing())
+        # The ranks first agree that every background step succeeded: those of the landing's all-gather, or the
+        # world under model parallelism (as for the norm), the ranks that would otherwise wait on a failed one.
+        landed = set(self.delayed.take_landing(None if self.model_parallel else self.group))
         if landed:
             self.flat_params.after_step([self.chunks[b] if b in landed else None for b in range(len(self.chunks))])
 

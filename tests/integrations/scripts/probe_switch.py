@@ -48,7 +48,19 @@ if "--paths" in sys.argv:
     out["accelerator"] = [get_accelerator().device_name(), get_accelerator().communication_backend_name()]
     out["cpu_adam"] = [c.__name__ for c in DeepSpeedCPUAdam.__mro__[:3]]
     out["optimizer_base"] = DeepSpeedOptimizer.__name__
-    out["clone_is_a_copy"] = clone_tensors_for_torch_save({"a": torch.ones(2)})["a"].data_ptr() != 0
+    base = torch.arange(6.0)
+    original = {"a": torch.arange(4.0), "view": base[1:3], "nested": [(torch.ones(2),)]}
+    cloned = clone_tensors_for_torch_save(original)
+    a = cloned["a"]
+    out["clone"] = {
+        "own_storage": a.untyped_storage().data_ptr() != original["a"].untyped_storage().data_ptr(),
+        "equal": torch.equal(a, original["a"]) and torch.equal(cloned["view"], base[1:3]),
+        "original_unchanged": bool(a.add_(1).ne(original["a"]).all()) and torch.equal(original["a"], torch.arange(4.0)),
+        # DeepSpeed clones so that torch.save writes a view's own elements, not its whole base storage
+        "view_trimmed": cloned["view"].untyped_storage().nbytes() == 2 * base.element_size(),
+        "nested": torch.equal(cloned["nested"][0][0], torch.ones(2)) and
+        cloned["nested"][0][0].data_ptr() != original["nested"][0][0].data_ptr(),
+    }
     out["same_module_both_names"] = sys.modules["deepspeed.runtime.engine"] is \
         sys.modules["zeroengine.integrations.ds_compat.runtime.engine"]
     from accelerate.utils import compare_versions

@@ -23,9 +23,12 @@ class PipelineConfig(ConfigModel):
     seed_layers: bool = Field(False, description="DeepSpeed's key; the PipelineModule's seed_layers decides.")
     activation_checkpoint_interval: NonNegativeInt = Field(
         0, description="DeepSpeed's key; the PipelineModule's activation_checkpoint_interval decides.")
-    pipe_partitioned: bool = Field(True, description="Accepted, no effect: activations are sent whole between stages "
-                                                     "(zeroengine has no tensor-parallel split of them to undo).")
-    grad_partitioned: bool = Field(True, description="Accepted, no effect (as pipe_partitioned).")
+    pipe_partitioned: bool = Field(
+        True, description="Accepted, no effect: each tensor-parallel rank sends its stage's whole activations to the "
+                          "same tensor-parallel rank of the next stage. (DeepSpeed, under tensor parallelism, sends "
+                          "each rank's 1/tp slice and all-gathers them on arrival: less traffic, the same values.)")
+    grad_partitioned: bool = Field(True, description="Accepted, no effect: the gradients of activations travel back "
+                                                     "whole, as pipe_partitioned says of the activations.")
     schedule: Literal["1f1b", "gpipe", "interleaved"] = Field(
         "1f1b", description="The micro-batch order: \"1f1b\" (one forward, one backward: a stage holds at most "
                             "as many micro-batches as stages follow it) or \"gpipe\" (all forwards, then all "

@@ -9,11 +9,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
     """DeepSpeed's ``initialize``: zeroengine's, plus the keywords only DeepSpeed has. ``distributed_port``
-    is read only when this call starts the process group (as DeepSpeed); ``mesh_param`` (a tensor/sequence
-    parallel mesh) is refused."""
+    is read only when this call starts the process group (as DeepSpeed); ``mesh_param`` (DeepSpeed's
+    (data, sequence) parallel sizes) is refused: zeroengine builds its mesh from the config and the model."""
     if mesh_param is not None:
-        raise ValueError("initialize(mesh_param=...) is not supported: zeroengine has no tensor or sequence "
-                         "parallel mesh; leave it None")
+        raise ValueError("initialize(mesh_param=...) is not supported: zeroengine builds its process mesh itself, "
+                         "from the config's tensor_parallel.autotp_size, a PipelineModule's stages, or an mpu "
+                         "passed to initialize (the data-parallel size is what remains); leave mesh_param None")
     if distributed_port is not None and dist_init_required is not False:
         init_distributed(distributed_port=distributed_port)
     return zeroengine.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

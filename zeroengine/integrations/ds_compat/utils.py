@@ -1,6 +1,7 @@
-"""``deepspeed.utils``: the logger, the full-value helpers, and ``set_z3_leaf_modules``."""
+"""``deepspeed.utils``: the logger, the full-value helpers, ``set_z3_leaf_modules`` and ``RepeatingLoader``."""
 from __future__ import annotations
 
+from zeroengine.data import RepeatingLoader  # noqa: F401
 from zeroengine.progress import get_logger
 from zeroengine.zero import (  # noqa: F401
     safe_get_full_fp32_param,

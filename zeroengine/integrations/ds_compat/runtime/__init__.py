@@ -1,2 +1,3 @@
-"""``deepspeed.runtime``: the engine, ZeRO, schedules and the optimizer base under DeepSpeed's paths."""
-from . import base_optimizer, engine, lr_schedules, zero  # noqa: F401
+"""``deepspeed.runtime``: the engine, ZeRO, schedules, the optimizer base and the data loader helpers under
+DeepSpeed's paths."""
+from . import base_optimizer, dataloader, engine, lr_schedules, zero  # noqa: F401
