@@ -176,16 +176,17 @@ def main(argv=None) -> int:
                              "size whose process mesh to print")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (tensor_parallel.autotp_size)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--sp", type=int, default=1, help="sequence-parallel size (sequence_parallel_size)")
     args = parser.parse_args(argv)
-    if args.tp < 1 or args.pp < 1:
-        parser.error("--tp and --pp must be positive")
-    if args.estimate is None and (args.tp > 1 or args.pp > 1):
+    if args.tp < 1 or args.pp < 1 or args.sp < 1:
+        parser.error("--tp, --pp and --sp must be positive")
+    if args.estimate is None and (args.tp > 1 or args.pp > 1 or args.sp > 1):
         if args.world is None:
-            parser.error("--tp/--pp print the process mesh of a world: give --world (all ranks)")
+            parser.error("--tp/--pp/--sp print the process mesh of a world: give --world (all ranks)")
         from zeroengine.parallel.mesh import describe_layout
 
         try:
-            print(describe_layout(args.world, pp=args.pp, tp=args.tp))
+            print(describe_layout(args.world, pp=args.pp, tp=args.tp, sp=args.sp))
         except ValueError as error:
             parser.error(str(error))
         return 0

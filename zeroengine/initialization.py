@@ -22,6 +22,7 @@ from zeroengine.pipe.module import PipelineModule
 from zeroengine.precision.loss_scaler import build_loss_scaler
 from zeroengine.precision.policy import PrecisionPolicy
 from zeroengine.progress import set_log_level
+from zeroengine.sequence_parallel import parallel_state
 from zeroengine.tensor_parallel.layers import split_of
 from zeroengine.tensor_parallel.rng import share_generators
 from zeroengine.zero.factory import build_zero_optimizer
@@ -118,7 +119,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("<config>", "no config given: pass config=<path or dict>, or --zeroengine_config on args")
     if dist_init_required is not False:
         comm.init_distributed()
-    mesh = _mesh_for(model, mpu, _requested_tp(config))
+    mesh = _mesh_for(model, mpu, config)
     cfg = load_config(config, world_size=mesh.dp, hidden_size=_hidden_size_of(model))
     _check_pipeline_config(cfg, model)
     _check_tensor_parallel_config(cfg, mesh)
@@ -158,7 +159,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     zero_optimizer = build_zero_optimizer(
         cfg.zero_optimization.stage, model, torch_optimizer, policy, loss_scaler,
         cfg.zero_optimization, cfg.gradient_clipping,
-        comm_dtype=_COMM_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
+        comm_dtype=_reduction_dtype(cfg, mesh),
         allow_untested_optimizer=cfg.zero_allow_untested_optimizer, mesh=mesh,
     )
     zero_optimizer.skip_nonfinite_steps = bool(cfg.bf16.enabled and cfg.bf16.check_grad_overflow)
@@ -178,42 +179,71 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     loader = None
     if training_data is not None:
+        # every rank of a sequence group reads its own samples (UlyssesSPDataLoaderAdapter shares them out)
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn=collate_fn,
-                                  rank=mesh.dp_rank, world_size=mesh.dp, drop_last=cfg.dataloader_drop_last)
+                                  rank=mesh.zero_rank, world_size=mesh.zero_size, drop_last=cfg.dataloader_drop_last)
         if isinstance(engine, PipelineEngine):
             engine.training_dataloader = loader
     return engine, zero_optimizer, loader, scheduler
 
 
-def _mesh_for(model, mpu, tp: int) -> ProcessMesh:
-    """The process mesh: a PipelineModule's (made when it was built), a Megatron-style mpu's groups, the
-    config's tensor-parallel size, or every rank a data-parallel replica."""
+def _reduction_dtype(cfg, mesh: ProcessMesh) -> torch.dtype | None:
+    """``communication_data_type``; with sequence parallelism ``seq_parallel_communication_data_type`` (fp32 by
+    default), which overrides it, as in DeepSpeed."""
+    if mesh.sp > 1:
+        return _COMM_DTYPES[cfg.seq_parallel_communication_data_type]
+    return _COMM_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None
+
+
+def _mesh_for(model, mpu, config) -> ProcessMesh:
+    """The process mesh: a PipelineModule's (made when it was built), an mpu's groups (Megatron's, or the
+    sequence-parallel one register_with_transformers returns), the config's tensor- or sequence-parallel size, or
+    every rank a data-parallel replica."""
+    tp, sp = _requested_size(config, "tensor_parallel"), _requested_size(config, "sequence_parallel_size")
     if isinstance(model, PipelineModule):
         if mpu is not None:
             raise ValueError("initialize(mpu=...) with a PipelineModule: the module made its own pipeline × data "
                              "mesh; pass one or the other")
+        if sp > 1:
+            raise ConfigError("sequence_parallel_size", f"{sp} with a PipelineModule: sequence and pipeline "
+                              "parallelism do not compose yet")
         return model.mesh
+    if mpu is not None and parallel_state.is_sequence_mpu(mpu):
+        mesh = parallel_state.mesh_of_mpu(mpu)
+        if sp not in (1, mesh.sp):
+            raise ConfigError("sequence_parallel_size", f"{sp}, but the mpu splits sequences {mesh.sp} ways")
+        return mesh
     if mpu is not None:
+        if sp > 1:
+            raise ConfigError("sequence_parallel_size", f"{sp} with a Megatron-style mpu: pass the mpu "
+                              "UlyssesSPAttentionHF.register_with_transformers returns instead")
         return mesh_from_mpu(mpu)
+    if sp > 1 and tp > 1:
+        raise ConfigError("sequence_parallel_size", f"{sp} with tensor_parallel.autotp_size {tp}: sequence and "
+                          "tensor parallelism do not compose yet")
+    key = "sequence_parallel_size" if sp > 1 else "tensor_parallel.autotp_size"
     try:
-        return build_mesh(pp=1, tp=tp, what="tensor_parallel.autotp_size")
+        mesh = build_mesh(pp=1, tp=tp, sp=sp, what=key)
     except ValueError as error:
-        raise ConfigError("tensor_parallel.autotp_size", str(error).removeprefix("tensor_parallel.autotp_size: "))
+        raise ConfigError(key, str(error).removeprefix(f"{key}: ")) from None
+    parallel_state.adopt_mesh(mesh)
+    return mesh
 
 
-def _requested_tp(config) -> int:
-    """``tensor_parallel.autotp_size`` (or ``tp.tp_size``) as given, read before the config is resolved: the
-    data-parallel size the batch sizes are resolved for depends on it. Checked properly by load_config."""
-    if hasattr(config, "tensor_parallel"):
-        return config.tensor_parallel.size
-    data = config
-    if isinstance(config, (str, os.PathLike)):
-        data = read_config_file(config)
-    section = data.get("tensor_parallel") if isinstance(data, dict) else None
-    if not isinstance(section, dict):
-        return 1
-    size = section.get("autotp_size", (section.get("tp") or {}).get("tp_size", 1))
-    return size if isinstance(size, int) and size > 1 else 1
+def _requested_size(config, key: str) -> int:
+    """``tensor_parallel.autotp_size`` (or ``tp.tp_size``), or ``sequence_parallel_size``, as given, read before the
+    config is resolved: the data-parallel size the batch sizes are resolved for depends on it. Checked properly
+    by load_config."""
+    if hasattr(config, key):
+        section = getattr(config, key)
+        return section.size if key == "tensor_parallel" else section
+    data = read_config_file(config) if isinstance(config, (str, os.PathLike)) else config
+    value = data.get(key) if isinstance(data, dict) else None
+    if key == "tensor_parallel":
+        if not isinstance(value, dict):
+            return 1
+        value = value.get("autotp_size", (value.get("tp") or {}).get("tp_size", 1))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 def _check_tensor_parallel_config(cfg, mesh: ProcessMesh) -> None:

@@ -44,7 +44,6 @@ KEYS = [
     ("zero_optimization", "leaf_module", {"classes": _MOE_BLOCKS, "names": [], "name_suffixes": []},
      {"classes": ["my_model.MyMoE"]}, "no leaf modules"),
     ("zero_optimization.offload_optimizer", "cpuadam_cores_perc", 0.8, 1.5, "from 0 to 1"),
-    ("", "seq_parallel_communication_data_type", "fp32", "int8", "no sequence parallelism"),
     ("", "graph_harvesting", False, True, "set it to false"),
     ("", "timers", {"throughput": {"enabled": True, "synchronized": True}},
      {"throughput": {"enabled": "yes"}}, "throughput"),
@@ -64,7 +63,6 @@ KEYS = [
     ("", "gradient_allreduce_op", "mean", "sum", "multiply the loss by the data-parallel world size"),
     ("", "disable_python_gc", False, "yes", "true or false"),
     ("", "datastates_ckpt", False, {"host_cache_size": 16}, "set it to false"),
-    ("", "sequence_parallel_size", 1, 2, "set it to 1"),
     ("", "vocabulary_size", None, "50257", "whole number"),
     ("", "aio", {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                  "overlap_events": True, "use_gds": False}, {"block_sise": 1048576}, "aio keys"),
@@ -121,7 +119,6 @@ def test_every_row_is_in_the_unsupported_table():
     ("zero_optimization", "stage3_use_all_reduce_for_fetch_params", True),
     ("zero_optimization.offload_optimizer", "cpuadam_cores_perc", 0.25),
     ("bf16", "immediate_grad_update", True),
-    ("", "seq_parallel_communication_data_type", "BF16"),
     ("", "timers", {"throughput": {"enabled": False}}),
     ("", "tensor_parallel", {"autotp_size": 1, "tp": {"tp_size": 1}, "tp_overlap_comm": True}),
     ("", "weight_quantization", {"enabled": False, "quantized_initialization": {"num_bits": 8}}),
@@ -138,6 +135,16 @@ def test_every_row_is_in_the_unsupported_table():
 def test_values_that_change_nothing_load(section, key, value):
     """Performance knobs at any value, and other spellings of "off" (results are the same as without the key)."""
     assert load_config(config_with(section, key, value)).zero_stage == 3
+
+
+def test_sequence_parallel_keys():
+    cfg = load_config({**BASE, "sequence_parallel_size": 2, "seq_parallel_communication_data_type": "BF16"})
+    assert cfg.sequence_parallel_size == 2 and cfg.seq_parallel_communication_data_type == "bf16"
+    assert load_config(BASE).seq_parallel_communication_data_type == "fp32"  # DeepSpeed's default
+    for key, bad, says in (("sequence_parallel_size", 0, "sequence_parallel_size"),
+                           ("seq_parallel_communication_data_type", "int8", "seq_parallel_communication_data_type")):
+        with pytest.raises(ConfigError, match=says):
+            load_config({**BASE, key: bad})
 
 
 @pytest.mark.parametrize("value,size", [({"autotp_size": 4}, 4), ({"tp": {"tp_size": 2}}, 2), ({"autotp_size": 0}, 1)])

@@ -16,6 +16,7 @@ from .collectives import (
     CollectiveError,
     ReduceOp,
     all_gather,
+    all_gather_object,
     all_reduce,
     all_reduce_scalar,
     all_reduce_value,
@@ -36,7 +37,7 @@ from .outcome import Failure, agree_outcome
 from .sequence_check import CollectiveMismatchError
 
 __all__ = [
-    "agree_outcome", "Failure", "all_gather", "all_reduce", "all_reduce_scalar", "all_reduce_value", "all_to_all_single", "barrier", "broadcast",
+    "agree_outcome", "Failure", "all_gather", "all_gather_object", "all_reduce", "all_reduce_scalar", "all_reduce_value", "all_to_all_single", "barrier", "broadcast",
     "collective_context", "CollectiveError", "control_all_gather", "CollectiveMismatchError", "CommCounters", "counters", "default_backend",
     "device_for_backend", "disable_sequence_check", "enable_sequence_check", "get_rank", "get_rank_in",
     "get_world_size", "handshakes", "host_group", "HandshakeTimeout", "init_distributed", "isend", "recv", "reduce_scatter", "ReduceOp",

@@ -116,6 +116,14 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     backend = backend or dist_backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        # DeepSpeed-style scripts name NCCL outright (the sequence-parallel tutorial does); on a machine without
+        # CUDA it cannot start, and gloo computes the same collectives.
+        from zeroengine.progress import get_logger
+
+        get_logger().warning("init_distributed: the \"nccl\" backend needs CUDA, which this machine lacks; "
+                             "using gloo")
+        backend = "gloo"
     # Collectives give up after ZEROENGINE_COMM_TIMEOUT (600 s) instead of hanging when a peer died; torch's
     # own default (30 min for gloo) is far too patient for a job whose launcher is already tearing it down.
     state.timeout_s = timeout_s or comm_timeout_s()

@@ -241,6 +241,16 @@ def control_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None
         _all_gather_flat(output, input, group=group)
 
 
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, in rank order (bookkeeping: counted as ``control``, its size unknown
+    before pickling)."""
+    marker = torch.zeros(1)
+    _before("control", marker, group, 0, sizes_must_match=False)
+    gathered = [None] * dist.get_world_size(group)
+    _call("all_gather_object", 0, group, lambda: dist.all_gather_object(gathered, obj, group=group), async_op=False)
+    return gathered
+
+
 # -- point to point (pipeline parallelism's activations and their gradients) -----------------------------------
 # Counted like the collectives (wire bytes: what this rank sends) but outside the sequence check: a send has one
 # partner, and the pipeline schedule, not the call order on every rank, decides what matches it. Sends are

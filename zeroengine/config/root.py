@@ -74,6 +74,13 @@ class ZeroEngineConfig(ConfigModel):
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig,
         description="Tensor parallelism (AutoTP) across autotp_size ranks (see 'tensor_parallel').")
+    sequence_parallel_size: PositiveInt = Field(
+        1, description="Ulysses sequence parallelism: each sequence is split across this many ranks, which switch "
+                       "to splitting attention heads around attention (two all-to-alls); ZeRO partitions over data "
+                       "× sequence ranks. Batch sizes count data-parallel ranks only (see docs/long-context.md).")
+    seq_parallel_communication_data_type: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32", description="With sequence parallelism, the dtype gradients are reduced in over data × sequence "
+                            "ranks (DeepSpeed's rule: it overrides communication_data_type; any capitalisation).")
     zero_allow_untested_optimizer: bool = Field(
         False, description="Allow a client optimizer other than Adam/AdamW/SGD/CPUAdam with ZeRO stages 1-3.")
     gradient_predivide_factor: PositiveFloat = Field(
@@ -111,7 +118,7 @@ class ZeroEngineConfig(ConfigModel):
         # accelerate writes float("inf") (DeepSpeed's "never print"); JSON's Infinity reads the same.
         return None if isinstance(value, float) and value == float("inf") else value
 
-    @field_validator("log_level", "communication_data_type", mode="before")
+    @field_validator("log_level", "communication_data_type", "seq_parallel_communication_data_type", mode="before")
     @classmethod
     def _any_case(cls, value: Any) -> Any:
         # DeepSpeed lower-cases these names before looking them up ("FP16" is fp16).

@@ -188,12 +188,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("nebula", ENABLED_FALSE, "Azure Nebula checkpoint service"),
         Unsupported("progressive_layer_drop", ENABLED_FALSE, "progressive layer dropping"),
         Unsupported("quantize_training", ENABLED_FALSE, "MoQ quantize-aware training"),
-        Unsupported("seq_parallel_communication_data_type",
-                    checked("set it to \"fp32\", \"fp16\" or \"bf16\"", "`\"fp32\"`, `\"fp16\"` or `\"bf16\"`",
-                            lambda v: isinstance(v, str) and v.lower() in ("fp32", "fp16", "bf16")),
-                    "dtype of DeepSpeed-Ulysses sequence-parallel all-to-alls; zeroengine has no sequence "
-                    "parallelism, so any dtype DeepSpeed accepts has no effect"),
-        Unsupported("sequence_parallel_size", off_value(1), "DeepSpeed-Ulysses sequence parallelism"),
         Unsupported("sparse_attention", EMPTY, "block-sparse attention kernels"),
         Unsupported("sparse_gradients", off_value(False), "sparse embedding gradients"),
         Unsupported("timers", checked("set throughput.enabled/synchronized to true or false",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from zeroengine import comm
 from zeroengine.comm.groups import WorldScoped, new_group
 
-AXES = ("pipe", "data", "tensor")
+AXES = ("pipe", "data", "sequence", "tensor")
 
 
 @dataclass(frozen=True)
@@ -44,23 +44,31 @@ class ProcessMesh:
     rank: int  # this process's global rank
     groups: dict = field(default_factory=dict, compare=False, repr=False)  # axis -> group (None: the world)
     ranks: dict = field(default_factory=dict, compare=False, repr=False)  # axis -> this rank's group, in order
+    sp: int = 1  # sequence-parallel ranks: each holds 1/sp of every sequence (zeroengine.sequence_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.sp * self.tp
+
+    def place(self, rank: int | None = None) -> tuple[int, int, int, int]:
+        """(pipe, data, sequence, tensor) index of ``rank`` (this rank by default)."""
+        rank = self.rank if rank is None else rank
+        tensor, rest = rank % self.tp, rank // self.tp
+        seq, rest = rest % self.sp, rest // self.sp
+        return rest // self.dp, rest % self.dp, seq, tensor
 
     def coords(self, rank: int | None = None) -> tuple[int, int, int]:
         """(pipe, data, tensor) index of ``rank`` (this rank by default)."""
-        rank = self.rank if rank is None else rank
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+        pipe, data, _, tensor = self.place(rank)
+        return pipe, data, tensor
 
-    def rank_at(self, pipe: int, data: int, tensor: int) -> int:
-        return (pipe * self.dp + data) * self.tp + tensor
+    def rank_at(self, pipe: int, data: int, tensor: int, seq: int = 0) -> int:
+        return ((pipe * self.dp + data) * self.sp + seq) * self.tp + tensor
 
     def axis_members(self, axis: str) -> list[list[int]]:
-        """Every group of ``axis`` ("data", "tensor", "pipe", "model") as global ranks, in the order the mesh
-        made its own groups (the same on every rank, as making more such groups needs)."""
-        return _axis_members(self.pp, self.dp, self.tp)[axis]
+        """Every group of ``axis`` ("data", "sequence", "zero", "tensor", "pipe", "model") as global ranks, in the
+        order the mesh made its own groups (the same on every rank, as making more such groups needs)."""
+        return _axis_members(self.pp, self.dp, self.tp, self.sp)[axis]
 
     @property
     def pp_rank(self) -> int:
@@ -75,8 +83,36 @@ class ProcessMesh:
         return self.coords()[2]
 
     @property
+    def sp_rank(self) -> int:
+        return self.place()[2]
+
+    @property
     def dp_group(self):
         return self.groups.get("data")
+
+    @property
+    def sp_group(self):
+        return self.groups.get("sequence")
+
+    @property
+    def zero_group(self):
+        """data × sequence: the ranks holding the same model slice, over which ZeRO partitions and reduces (the
+        data group without sequence parallelism)."""
+        return self.groups.get("zero", self.dp_group)
+
+    @property
+    def zero_ranks(self) -> tuple:
+        """The global ranks of this rank's :attr:`zero_group`, in order."""
+        return self.ranks.get("zero", self.ranks["data"])
+
+    @property
+    def zero_size(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def zero_rank(self) -> int:
+        _, data, seq, _ = self.place()
+        return data * self.sp + seq
 
     @property
     def tp_group(self):
@@ -104,59 +140,68 @@ class ProcessMesh:
 
     def stage_rank(self, stage: int) -> int:
         """The global rank holding pipeline stage ``stage`` of this rank's replica and tensor slice."""
-        _, data, tensor = self.coords()
-        return self.rank_at(stage, data, tensor)
+        _, data, seq, tensor = self.place()
+        return self.rank_at(stage, data, tensor, seq)
 
     def describe(self) -> str:
-        return f"pp={self.pp} × dp={self.dp} × tp={self.tp} (rank {self.rank}: pipe {self.pp_rank}, " \
-               f"data {self.dp_rank}, tensor {self.tp_rank})"
+        seq = f" × sp={self.sp}" if self.sp > 1 else ""
+        at = f", sequence {self.sp_rank}" if self.sp > 1 else ""
+        return f"pp={self.pp} × dp={self.dp}{seq} × tp={self.tp} (rank {self.rank}: pipe {self.pp_rank}, " \
+               f"data {self.dp_rank}{at}, tensor {self.tp_rank})"
 
 
-def _axis_members(pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
+def _axis_members(pp: int, dp: int, tp: int, sp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of each axis, as lists of global ranks (the same on every rank)."""
-    def rank(p, d, t):
-        return (p * dp + d) * tp + t
+    def rank(p, d, s, t):
+        return ((p * dp + d) * sp + s) * tp + t
     return {
-        "data": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "tensor": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "pipe": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "model": [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "data": [[rank(p, d, s, t) for d in range(dp)] for p in range(pp) for s in range(sp) for t in range(tp)],
+        "sequence": [[rank(p, d, s, t) for s in range(sp)] for p in range(pp) for d in range(dp) for t in range(tp)],
+        "zero": [[rank(p, d, s, t) for d in range(dp) for s in range(sp)] for p in range(pp) for t in range(tp)],
+        "tensor": [[rank(p, d, s, t) for t in range(tp)] for p in range(pp) for d in range(dp) for s in range(sp)],
+        "pipe": [[rank(p, d, s, t) for p in range(pp)] for d in range(dp) for s in range(sp) for t in range(tp)],
+        "model": [[rank(p, d, s, t) for p in range(pp) for t in range(tp)] for d in range(dp) for s in range(sp)],
     }
 
 
 _MESHES = WorldScoped()  # (pp, dp, tp) -> the mesh of this world (its groups are made once)
 
 
-def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh") -> ProcessMesh:
-    """The mesh of this world for ``pp`` pipeline stages and ``tp``-way tensor parallelism (data parallel gets
-    the rest). Collective on first use of a shape (its groups are created then); cached for this world."""
+def build_mesh(pp: int = 1, tp: int = 1, what: str = "the mesh", sp: int = 1) -> ProcessMesh:
+    """The mesh of this world for ``pp`` pipeline stages, ``tp``-way tensor and ``sp``-way sequence parallelism
+    (data parallel gets the rest). Collective on first use of a shape (its groups are created then); cached for
+    this world."""
     world, rank = comm.get_world_size(), comm.get_rank()
-    for name, size in (("pipeline stages", pp), ("tensor-parallel size", tp)):
-        if not isinstance(size, int) or size < 1:
+    for name, size in (("pipeline stages", pp), ("tensor-parallel size", tp), ("sequence-parallel size", sp)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{what}: the {name} must be a positive integer, got {size!r}")
-    if world % (pp * tp):
+    split = pp * tp * sp
+    if world % split:
         raise ValueError(f"{what}: the world of {world} ranks cannot be split into {pp} pipeline stage(s) × "
-                         f"{tp}-way tensor parallelism (pp · tp = {pp * tp} must divide the world size); launch a "
-                         f"multiple of {pp * tp} ranks")
-    dp = world // (pp * tp)
+                         f"{tp}-way tensor × {sp}-way sequence parallelism (pp · tp · sp = {split} must divide the "
+                         f"world size); launch a multiple of {split} ranks")
+    dp = world // split
     meshes = _MESHES.current()
-    if (pp, dp, tp) in meshes:
-        return meshes[pp, dp, tp]
+    if (pp, dp, tp, sp) in meshes:
+        return meshes[pp, dp, tp, sp]
     groups, ranks = {}, {}
-    for axis, members in _axis_members(pp, dp, tp).items():
+    for axis, members in _axis_members(pp, dp, tp, sp).items():
         mine = next(m for m in members if rank in m)
         ranks[axis] = tuple(mine)
+        if axis == "zero" and sp == 1:
+            groups[axis] = groups["data"]  # the same ranks: one group
+            continue
         if len(mine) == world:
             groups[axis] = None  # the world itself
             continue
-        if axis != "data" and len(mine) == 1:
-            groups[axis] = None  # an axis of size 1 carries no communication (ZeRO's data group always does)
+        if axis not in ("data", "zero") and len(mine) == 1:
+            groups[axis] = None  # an axis of size 1 carries no communication (ZeRO's groups always do)
             continue
         for m in members:  # every rank creates every group, in the same order (torch.distributed's rule)
             group = new_group(m) if dist.is_initialized() else None
             if m is mine:
                 groups[axis] = group
-    mesh = meshes[pp, dp, tp] = ProcessMesh(pp, dp, tp, rank, groups, ranks)
+    mesh = meshes[pp, dp, tp, sp] = ProcessMesh(pp, dp, tp, rank, groups, ranks, sp)
     return mesh
 
 
@@ -238,9 +283,9 @@ def mesh_from_mpu(mpu, pp: int = 1) -> ProcessMesh:
                     "get_model_parallel_group")
     ranks = {"data": tuple(dist.get_process_group_ranks(dp_group)) if dist.is_initialized() and dp < world
              else tuple(range(world))}
-    return _MpuMesh(pp, dp, tp, comm.get_rank(), groups, ranks, int(mpu.get_data_parallel_rank()),
-                    int(first("get_tensor_model_parallel_rank", "get_model_parallel_rank", default=0)),
-                    int(first("get_pipeline_model_parallel_rank", default=0)))
+    return _MpuMesh(pp, dp, tp, comm.get_rank(), groups, ranks, mpu_dp_rank=int(mpu.get_data_parallel_rank()),
+                    mpu_tp_rank=int(first("get_tensor_model_parallel_rank", "get_model_parallel_rank", default=0)),
+                    mpu_pp_rank=int(first("get_pipeline_model_parallel_rank", default=0)))
 
 
 @dataclass(frozen=True)
@@ -251,26 +296,29 @@ class _MpuMesh(ProcessMesh):
     mpu_tp_rank: int = 0
     mpu_pp_rank: int = 0
 
-    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
+    def place(self, rank: int | None = None) -> tuple[int, int, int, int]:
         if rank is not None and rank != self.rank:
             raise ValueError("a mesh from an mpu knows only this rank's place")
-        return self.mpu_pp_rank, self.mpu_dp_rank, self.mpu_tp_rank
+        return self.mpu_pp_rank, self.mpu_dp_rank, 0, self.mpu_tp_rank
 
 
-def describe_layout(world: int, pp: int = 1, tp: int = 1) -> str:
-    """The mesh a world of ``world`` ranks gets for ``pp`` stages and ``tp``-way tensor parallelism, as a table
-    (what ``ze_report --world W --tp T --pp P`` and the launcher print); computed, no group is made."""
-    if pp < 1 or tp < 1 or world % (pp * tp):
-        raise ValueError(f"{world} ranks cannot be split into {pp} pipeline stage(s) × {tp}-way tensor "
-                         f"parallelism (pp · tp = {pp * tp} must divide the world size)")
-    dp = world // (pp * tp)
-    members = _axis_members(pp, dp, tp)
-    lines = [f"mesh: {world} ranks = pipeline {pp} × data {dp} × tensor {tp} (rank = pipe·{dp * tp} + data·{tp} + "
-             "tensor)"]
-    for axis in ("data", "tensor", "pipe"):
+def describe_layout(world: int, pp: int = 1, tp: int = 1, sp: int = 1) -> str:
+    """The mesh a world of ``world`` ranks gets for ``pp`` stages, ``tp``-way tensor and ``sp``-way sequence
+    parallelism, as a table (what ``ze_report --world W --tp T --pp P --sp S`` and the launcher print);
+    computed, no group is made."""
+    if pp < 1 or tp < 1 or sp < 1 or world % (pp * tp * sp):
+        raise ValueError(f"{world} ranks cannot be split into {pp} pipeline stage(s) × {tp}-way tensor × {sp}-way "
+                         f"sequence parallelism (pp · tp · sp = {pp * tp * sp} must divide the world size)")
+    dp = world // (pp * tp * sp)
+    members = _axis_members(pp, dp, tp, sp)
+    seq = f" × sequence {sp}" if sp > 1 else ""
+    formula = (f"pipe·{dp * sp * tp} + data·{sp * tp} + sequence·{tp} + tensor" if sp > 1 else
+               f"pipe·{dp * tp} + data·{tp} + tensor")
+    lines = [f"mesh: {world} ranks = pipeline {pp} × data {dp}{seq} × tensor {tp} (rank = {formula})"]
+    for axis in ("data",) + (("sequence",) if sp > 1 else ()) + ("tensor", "pipe"):
         groups = members[axis]
         shown = ", ".join(str(g) for g in groups[:6]) + (", ..." if len(groups) > 6 else "")
-        lines.append(f"  {axis:<7}groups of {len(groups[0])}: {shown}")
+        lines.append(f"  {axis:<{9 if sp > 1 else 7}}groups of {len(groups[0])}: {shown}")
     return "\n".join(lines)
 
 

@@ -42,7 +42,7 @@ IMPLEMENTED_STAGES = (0, 1, 2, 3)
 def build_zero_optimizer(stage: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy, loss_scaler,
                          zero_config, gradient_clipping: float, comm_dtype: torch.dtype | None,
                          allow_untested_optimizer: bool = False, mesh: ProcessMesh | None = None) -> ZeroOptimizer:
-    """The ZeRO strategy of ``stage`` over the data-parallel group of ``mesh`` (the whole world by default); under
+    """The ZeRO strategy of ``stage`` over the data × sequence group of ``mesh`` (the whole world by default); under
     model parallelism the gradient norm also adds up over the mesh's model group."""
     mesh = mesh or data_parallel_mesh()
     zero = _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
@@ -69,6 +69,9 @@ def _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_
         _check_stage3_experts(module, stepped)
     # MoE: expert parameters are reduced and partitioned within their expert-data-parallel group.
     domains = split_domains([p for p in reversed(list(module.parameters())) if id(p) in stepped])
+    if domains and mesh.sp > 1:
+        raise ConfigError("sequence_parallel_size", f"MoE layers with sequence parallelism ({mesh.describe()}) are "
+                          "not supported yet: expert groups are cut from the whole world")
     if domains and mesh.model_parallel:
         raise ConfigError("expert_parallel", f"MoE layers with tensor or pipeline parallelism ({mesh.describe()}) are "
                           "not supported yet: expert groups are cut from the whole world")
@@ -82,7 +85,9 @@ def _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_
         parts = _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_clipping,
                                comm_dtype, domains)
         return ExpertShardedOptimizer(parts, optimizer, policy, loss_scaler, gradient_clipping)
-    data = ParamDomain([], mesh.dp_group, mesh.dp_rank, mesh.dp, mesh.dp)
+    # ZeRO partitions and averages over the ranks holding this model slice: data × sequence (see
+    # zeroengine/sequence_parallel/loss.py for why the average over sequence ranks is the exact gradient)
+    data = ParamDomain([], mesh.zero_group, mesh.zero_rank, mesh.zero_size, mesh.zero_size)
     if stage == 0:
         return _build_stage0(module, optimizer, policy, loss_scaler, zero_config, gradient_clipping, comm_dtype,
                              dp_group=data.group)

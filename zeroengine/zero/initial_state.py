@@ -22,11 +22,11 @@ from .init import is_init_partitioned
 
 
 def broadcast_initial_state(module: torch.nn.Module, mesh=None) -> None:
-    """Over ``mesh``'s data-parallel group (the world by default): the ranks holding other pipeline stages or
+    """Over ``mesh``'s data × sequence group (the world by default): the ranks holding other pipeline stages or
     tensor slices hold other parameters."""
-    if comm.get_world_size() == 1 or (mesh is not None and mesh.dp == 1):
+    if comm.get_world_size() == 1 or (mesh is not None and mesh.zero_size == 1):
         return
-    data = (0, None) if mesh is None or mesh.dp_group is None else (mesh.ranks["data"][0], mesh.dp_group)
+    data = (0, None) if mesh is None or mesh.zero_group is None else (mesh.zero_ranks[0], mesh.zero_group)
     by_source: dict[tuple, list[torch.Tensor]] = {}
     for sub in module.modules():
         params = [p for p in sub.parameters(recurse=False) if not is_init_partitioned(p)]

@@ -1,4 +1,5 @@
-"""``deepspeed.utils``: the logger, the full-value helpers, ``set_z3_leaf_modules`` and ``RepeatingLoader``."""
+"""``deepspeed.utils``: the logger, the full-value helpers, ``set_z3_leaf_modules``, ``RepeatingLoader`` and the
+sequence-parallel ``groups`` questions."""
 from __future__ import annotations
 
 from zeroengine.data import RepeatingLoader  # noqa: F401
@@ -12,6 +13,8 @@ from zeroengine.zero import (  # noqa: F401
 )
 
 logger = get_logger()
+
+from . import groups  # noqa: E402,F401 (deepspeed.utils.groups)
 
 
 def set_z3_leaf_modules(model, leaf_module_classes):

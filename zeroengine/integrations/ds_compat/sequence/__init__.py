@@ -1,0 +1,2 @@
+"""``deepspeed.sequence``: Megatron-DeepSpeed's Ulysses layer."""
+from . import layer  # noqa: F401
