@@ -30,12 +30,13 @@ from zeroengine.integrations import accelerate_cpu
 
 ENV_VAR = "ZEROENGINE_AS_DEEPSPEED"
 
-# The DeepSpeed version reported to transformers and accelerate, which pick code paths by it. 0.16.4 is the
-# lowest version that passes every version check in transformers 5.24 and accelerate 1.15 (the highest:
-# accelerate's ``>= 0.16.4`` for tensor parallelism, which zeroengine then refuses with its own message;
-# ``>= 0.14.4`` routes ``torch.compile`` through ``engine.compile``; ``>= 0.9.3`` is the floor), so each
-# takes its current code path, and none takes one gated on a feature of a later DeepSpeed.
-DEEPSPEED_VERSION = "0.16.4"
+# The DeepSpeed version reported to transformers and accelerate, which pick code paths by it: 0.18.2, the lowest
+# that opens every path zeroengine serves. accelerate 1.15's highest gate, ``>= 0.18.2``, opens Ulysses sequence
+# parallelism (ALST) through ``ParallelismConfig(sp_backend="deepspeed")``; the others are lower (``>= 0.16.4``
+# tensor parallelism, ``>= 0.14.4`` ``engine.compile``, ``>= 0.9.3`` the floor), and nothing in transformers 5.24 or
+# accelerate 1.15 compares against a later version, so 0.18.2 opens no path gated on a later DeepSpeed feature.
+# docs/integrations.md lists every gate and how zeroengine meets it.
+DEEPSPEED_VERSION = "0.18.2"
 
 ALIAS = "deepspeed"
 TARGET = "zeroengine.integrations.ds_compat"

@@ -27,7 +27,7 @@ class UlyssesSPDataLoaderAdapter:
     """An iterator over ``dl``'s batches (dicts with ``input_ids``, ``position_ids`` and ``labels``, each
     ``[batch, seq]``), turned into this rank's pieces of the whole group's batches, one source rank at a time:
     ``labels`` become ``shift_labels``, every tensor is cut to columns ``[rank·seq/sp, (rank+1)·seq/sp)`` and
-    returned on the CPU (``move_to_device`` them). Sequences must divide by sp (pad them with label -100)."""
+    returned contiguous on the CPU (``move_to_device`` them). Sequences must divide by sp (pad them with label -100)."""
 
     def __init__(self, dl, sp_rank: int, sp_group, sp_world_size: int, device):
         self.dl, self.sp_rank, self.sp_group, self.sp_world_size = dl, sp_rank, sp_group, sp_world_size
@@ -66,8 +66,10 @@ class UlyssesSPDataLoaderAdapter:
             whole["shift_labels"] = shift_labels(whole.pop("labels"))
             piece = length // self.sp_world_size
             cut = slice(piece * self.sp_rank, piece * (self.sp_rank + 1))
-            self.micro_batches.append({key: value[:, cut].cpu() if isinstance(value, torch.Tensor) else value
-                                       for key, value in whole.items()})
+            # contiguous: a column slice of a batch of several rows is not, and the loss views it flat (on a GPU
+            # the copy to the CPU makes it so; on the CPU it is a no-op)
+            self.micro_batches.append({key: value[:, cut].cpu().contiguous() if isinstance(value, torch.Tensor)
+                                       else value for key, value in whole.items()})
 
     def _gather(self, batch: dict) -> list[dict]:
         """Every rank of the group's batch, in rank order (tensors ``[batch, seq]``; seq may differ by rank)."""

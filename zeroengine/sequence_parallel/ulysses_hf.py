@@ -15,6 +15,8 @@ must be a multiple of sp, like the query heads'. DeepSpeed's rules, kept.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from zeroengine import comm
@@ -25,6 +27,7 @@ from .all_to_all import heads_to_sequence, sequence_to_heads
 # eager's mask is built for the local piece only; flex attention's block mask likewise (DeepSpeed rebuilds a causal
 # one, accelerate refuses it): zeroengine refuses both, naming what works.
 _REFUSED = ("eager", "paged|eager", "flex_attention")
+logger = logging.getLogger(__name__)
 
 
 class UlyssesSPAttentionHF(torch.nn.Module):
@@ -160,9 +163,17 @@ class _Wrapper:
 
     def __init__(self, ulysses: UlyssesSPAttentionHF, core):
         self.ulysses, self.core = ulysses, core
+        self.warned = False
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
         if self.ulysses.disable_in_eval and not module.training:  # plain attention, the model's own mask
+            if torch.is_grad_enabled() and not self.warned:
+                # from_pretrained leaves a model in eval mode, and accelerate registers with disable_in_eval: a loop
+                # that trains without model.train() would attend within each rank's piece only (DeepSpeed alike)
+                self.warned = True
+                logger.warning("Ulysses attention: the model is in eval mode with gradients enabled, so sequence "
+                               "parallelism is off (disable_in_eval) and each rank attends within its own piece; "
+                               "call model.train() before training")
             return self.core(module, query, key, value, attention_mask, *args, **kwargs)
         return self.ulysses(module, query, key, value, None, *args, **kwargs)
 
