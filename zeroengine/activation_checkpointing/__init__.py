@@ -10,6 +10,7 @@
 """
 from .checkpoint import CheckpointFunction, checkpoint, is_recomputing
 from .config import Settings, configure, current, is_configured, reset
+from .offload_hidden import CheckpointHiddenStatesOffload, get_checkpoint_hidden_states_offloading_ctx_manager
 from .profile import format_profile, profile_report, reset_profile
 from .rng_tracker import (
     RNGStatesTracker,
@@ -20,8 +21,9 @@ from .rng_tracker import (
 from .wrap import checkpoint_modules, uncheckpoint_modules
 
 __all__ = [
-    "CheckpointFunction", "RNGStatesTracker", "Settings", "checkpoint", "checkpoint_modules", "configure",
-    "current", "format_profile", "get_cuda_rng_tracker", "is_configured", "is_recomputing",
-    "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "profile_report", "reset",
-    "reset_profile", "uncheckpoint_modules",
+    "CheckpointFunction", "CheckpointHiddenStatesOffload", "RNGStatesTracker", "Settings", "checkpoint",
+    "checkpoint_modules", "configure", "current", "format_profile",
+    "get_checkpoint_hidden_states_offloading_ctx_manager", "get_cuda_rng_tracker", "is_configured",
+    "is_recomputing", "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "profile_report",
+    "reset", "reset_profile", "uncheckpoint_modules",
 ]
