@@ -2,7 +2,8 @@
 # Everything the open GPU work needs, in phases that each fit one 10-minute command on a lent
 # GPU machine (no network there; torch 2.11 preinstalled). Run from the repository root:
 #
-#     bash benchmarks/gpu_session.sh PHASE        # PHASE: tests | kernels | throughput | largest | smoke
+#     bash benchmarks/gpu_session.sh PHASE        # PHASE: tests | kernels | throughput | largest | smoke | ...
+#     DRY_RUN=1 bash benchmarks/gpu_session.sh long_context   # no GPU: the phase's tiny CPU dry run (~15 s)
 #
 # Results (JSON, logs, junit) go to $OUT when it is set, else benchmarks/results/gpu_session/.
 # Before the first call, on a machine with network: `bash scripts/gpu_wheels.sh` puts the wheels
@@ -25,13 +26,22 @@
 #               PipelineModule through train_batch, GPT-2 through AutoTP's engine path, the vocabulary-parallel
 #               loss), and tp=2 / pp=2 / interleaved pp=2 against the CPU reference on 2 GPUs, also with
 #               messages above NCCL's 4 MiB buffer (issue 32: every schedule's order completes)   ~2 min
+#   long_context  issues 33/38: the longest sequence one GPU trains, Llama-3-8B-shaped (as many layers as the
+#               host's memory holds the offloaded optimizer state for: --layers auto), ZeRO-3 + optimizer offload,
+#               tiled MLP and loss, every layer checkpointed, hidden states offloaded to the host; lengths double
+#               from 16K until out of memory, then bisect to 8K (ALST: 500K on an H100, 1.2M on an H200)   ~9 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe|parallel}
+PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe|parallel|long_context}
 RESULTS=${OUT:-benchmarks/results/gpu_session}
 mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
 LIMIT=${PHASE_LIMIT_S:-560}  # stop a phase before the device's 600 s so what it wrote still comes back
+DRY_RUN=${DRY_RUN:-0}  # 1: no GPU (long_context only): setup skips its GPU parts, the phase runs on the CPU
+if [ "$DRY_RUN" = 1 ] && [ "$PHASE" != long_context ]; then
+  echo "gpu_session: DRY_RUN=1 is for the long_context phase only" >&2
+  exit 2
+fi
 
 setup() {
   if ! "$PY" -c "import pydantic, hjson" >/dev/null 2>&1; then
@@ -42,8 +52,12 @@ setup() {
       exit 2
     fi
   fi
-  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
+  if [ "$DRY_RUN" = 1 ]; then  # the package runs from the checkout (the benchmark puts it on sys.path)
+    echo "gpu_session: dry run: no package install, no nvidia-smi"
+  else
+    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
+  fi
   "$PY" -c "import torch, zeroengine; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 }
 
@@ -96,8 +110,19 @@ case "$PHASE" in
     timeout "$(left)" "$PY" -m pytest -q -rs tests/gpu/test_parallel_gpu.py --junitxml="$RESULTS/parallel.xml" 2>&1 \
       | tee "$RESULTS/parallel.log" | tail -10
     ;;
+  long_context)
+    if [ "$DRY_RUN" = 1 ]; then
+      timeout "$(left)" "$PY" benchmarks/bench_long_context_gpu.py --device cpu --preset tiny --start 256 \
+        --granularity 256 --cpu-budget-mib 4 --time-limit 60 --out "$RESULTS/long_context_gpu.json" 2>&1 \
+        | tee "$RESULTS/long_context_gpu.log" | tail -14
+    else
+      timeout "$(left)" "$PY" benchmarks/bench_long_context_gpu.py --preset llama3-8b --layers auto \
+        --time-limit $(( $(left) - 30 )) --out "$RESULTS/long_context_gpu.json" 2>&1 \
+        | tee "$RESULTS/long_context_gpu.log" | tail -24
+    fi
+    ;;
   *)
-    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile|moe|parallel)" >&2
+    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile|moe|parallel|long_context)" >&2
     exit 2
     ;;
 esac
