@@ -10,3 +10,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 "$PY" -m pip install --quiet -e ".[test,example]"
+# The C++ ops, built now rather than at their first use (a training run's first step, or the test suite's):
+# a failed build is reported here and the ops fall back at run time (ze_report says which).
+"$PY" -m zeroengine.ops.build_all || echo "[install] some ops did not build; they fall back at run time (see ze_report)"

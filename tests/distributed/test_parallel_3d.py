@@ -71,8 +71,11 @@ def _hf(rank, world, name, tp, steps, save=None, load=None, stage=1):
     cfg = base_config(MICRO, 1, dp, 1.0, lr=1e-3, stage=stage)
     cfg["tensor_parallel"] = {"autotp_size": tp}
     engine, *_ = zeroengine.initialize(model=model, config=cfg)
+    loaded = None
     if load:
         engine.load_checkpoint(load)
+        with zeroengine.zero.GatheredParameters(list(model.parameters())):
+            loaded = local_state(model)  # as loaded, before any step
     losses = []
     for ids in global_batches(dp)[:steps]:
         d = engine.mesh.dp_rank
@@ -83,7 +86,7 @@ def _hf(rank, world, name, tp, steps, save=None, load=None, stage=1):
     if save:
         engine.save_checkpoint(save, tag="tp")
     with zeroengine.zero.GatheredParameters(list(model.parameters())):  # (stage 3: this rank's tensor slices)
-        return {"losses": losses, "state": local_state(model)}
+        return {"losses": losses, "state": local_state(model), "loaded": loaded}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "mixtral"])
@@ -92,13 +95,13 @@ def test_autotp_checkpoint_loads_at_other_tensor_sizes(tmp_path, name):
     layout: GPT-2's fused query-key-value matrix (three blocks) and Mixtral's stacked experts' [gate; up]
     matrices (two blocks) are merged and re-cut, values and Adam moments."""
     saved = full_state([r["state"] for r in run_distributed(_hf, 4, name, 2, 2, save=str(tmp_path))])
-    for world, tp in [(2, 1), (2, 2)]:
-        loaded = run_distributed(_hf, world, name, tp, 0, load=str(tmp_path))
-        got = full_state([r["state"] for r in loaded])
+    losses = {}
+    for world, tp, steps in [(2, 1, 1), (4, 2, 1)]:  # each loads, then trains one more step
+        loaded = run_distributed(_hf, world, name, tp, steps, load=str(tmp_path))
+        got = full_state([r["loaded"] for r in loaded])
         assert all(torch.equal(got[k], saved[k]) for k in saved), (world, tp)
-    same = run_distributed(_hf, 4, name, 2, 1, load=str(tmp_path))[0]["losses"]
-    other = run_distributed(_hf, 2, name, 1, 1, load=str(tmp_path))[0]["losses"]
-    assert other == pytest.approx(same, abs=1e-5)
+        losses[world, tp] = loaded[0]["losses"]
+    assert losses[2, 1] == pytest.approx(losses[4, 2], abs=1e-5) and len(losses[2, 1]) == 1
     out = str(tmp_path / f"{name}.pt")
     assert os.system(f"ze_to_fp32 {tmp_path} {out} --tag tp > /dev/null 2>&1") == 0
     from test_real_models import build
@@ -114,13 +117,12 @@ def test_autotp_at_stage3_checkpoint_loads_at_stage1_and_one_rank(tmp_path):
     weights and the same next loss."""
     saved = full_state([r["state"] for r in run_distributed(_hf, 4, "llama", 2, 2, save=str(tmp_path), stage=3)])
     losses = {}
-    for world, tp, stage in [(4, 2, 3), (2, 1, 1), (1, 1, 0)]:
-        loaded = run_distributed(_hf, world, "llama", tp, 0, load=str(tmp_path), stage=stage)
-        got = full_state([r["state"] for r in loaded])
+    for world, tp, stage, steps in [(4, 2, 3, 1), (2, 1, 1, 1), (1, 1, 0, 0)]:  # load, then (maybe) one more step
+        loaded = run_distributed(_hf, world, "llama", tp, steps, load=str(tmp_path), stage=stage)
+        got = full_state([r["loaded"] for r in loaded])
         assert set(got) == set(saved) and all(torch.equal(got[k], saved[k]) for k in saved), (world, tp, stage)
-    for world, tp, stage in [(4, 2, 3), (2, 1, 1)]:
-        losses[world] = run_distributed(_hf, world, "llama", tp, 1, load=str(tmp_path), stage=stage)[0]["losses"]
-    assert losses[2] == pytest.approx(losses[4], abs=1e-5)
+        losses[world] = loaded[0]["losses"]
+    assert losses[2] == pytest.approx(losses[4], abs=1e-5) and len(losses[2]) == 1
 
 
 def _stage3_memory(rank, world):

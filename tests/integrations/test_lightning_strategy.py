@@ -1,6 +1,6 @@
 """ZeroEngineStrategy in PyTorch Lightning (scripts/lightning_run.py): 2 processes, stages 2 and 3, against
 plain Lightning's DDP on the same data: the same per-step losses and learning rates, the same number of optimizer
-steps and the same final weights, with accumulate_grad_batches 1 and 2 (2 with 5 batches per epoch, so each
+steps and the same final weights, with accumulate_grad_batches 2 (stages 2, 3 and 3 with offload) (2 with 5 batches per epoch, so each
 epoch ends on half a group; SGD, which shows a gradient scaled twice where Adam hides it). A checkpoint taken by
 ModelCheckpoint resumes in a fresh process onto the same later steps."""
 import pytest
@@ -31,15 +31,20 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("lightning")
 
 
-@pytest.mark.parametrize("strategy, accumulate", [("zeroengine_stage_2", 1), ("zeroengine_stage_2", 2),
-                                                  ("zeroengine_stage_3", 1), ("zeroengine_stage_3", 2),
-                                                  ("zeroengine_stage_3_offload", 2)])
-def test_matches_plain_lightning(tmp, strategy, accumulate):
+def _ddp(tmp, accumulate):
+    """Plain Lightning's run (fitted once per module)."""
     reference = _fit(tmp, "ddp", accumulate) if not (tmp / f"ddp-{accumulate}.rank0.json").exists() else \
         [read(tmp / f"ddp-{accumulate}.rank{r}.json") for r in range(RANKS)]
     assert reference[0]["global_step"] == (10 if accumulate == 1 else 6)  # 2 epochs of 5 batches; halves round up
+    return reference
+
+
+# Stage 3 with accumulation 2 is compared in test_modelcheckpoint_resume_is_exact, whose uninterrupted run is that.
+# Accumulation 2 with an epoch ending on half a group is the case with boundaries to get wrong; 1 has none.
+@pytest.mark.parametrize("strategy, accumulate", [("zeroengine_stage_2", 2), ("zeroengine_stage_3_offload", 2)])
+def test_matches_plain_lightning(tmp, strategy, accumulate):
     # Tolerance: the same sums reduced in another order (all-reduce vs reduce-scatter) differ in the last bits.
-    _assert_same_training(reference, _fit(tmp, strategy, accumulate), 1e-5)
+    _assert_same_training(_ddp(tmp, accumulate), _fit(tmp, strategy, accumulate), 1e-5)
 
 
 def test_the_names_are_registered_with_their_zero_settings():
@@ -64,6 +69,7 @@ def test_the_names_are_registered_with_their_zero_settings():
 def test_modelcheckpoint_resume_is_exact(tmp):
     ckpt = tmp / "ckpt"
     full = _fit(tmp, "zeroengine_stage_3", 2, "--ckpt_dir", str(ckpt))
+    _assert_same_training(_ddp(tmp, 2), full, 1e-5)  # (saving checkpoints changes nothing of the training)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step=3.ckpt", "step=6.ckpt"]
     assert (ckpt / "step=3.ckpt" / "checkpoint").is_dir()  # the engine's checkpoint, inside Lightning's path
     resumed = _fit(tmp, "zeroengine_stage_3", 2, "--resume", str(ckpt / "step=3.ckpt"))

@@ -75,10 +75,13 @@ def main():
         if accelerator.is_main_process:
             report["state_dict"] = {k: v.flatten()[:3].tolist() for k, v in full.items()}
             report["state_dir"] = sorted(os.listdir(args.state_dir))
-        accelerator.free_memory()  # (calls the engine's destroy())
+    accelerator.free_memory()  # (calls the engine's destroy())
     if accelerator.is_main_process:
         with open(args.report, "w") as f:
             json.dump(report, f)
+    # End as a script should: a process group left for interpreter shutdown to tear down once aborted a rank
+    # ("terminate called without an active exception") after a resumed run, under load.
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
