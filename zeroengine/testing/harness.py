@@ -32,11 +32,19 @@ class DistributedTestError(AssertionError):
     pass
 
 
+# Imported once, in the fork server, and inherited by every worker it forks: importing torch (and transformers'
+# model code, ~3 s of CPU a process) in each of a suite's hundreds of workers would cost minutes. The fork server
+# skips a module that is not installed.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroengine.initialization"]
+_PRELOAD_IF_INSTALLED = ["transformers"] + [f"transformers.models.{name}.modeling_{name}" for name in (
+    "llama", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe")]
+
+
 def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeroengine.initialization"])
+        _CTX.set_forkserver_preload([*_PRELOAD, *_PRELOAD_IF_INSTALLED])
     return _CTX
 
 

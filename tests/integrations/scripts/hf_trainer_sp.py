@@ -14,23 +14,8 @@ import os
 import torch
 from accelerate import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
+from sp_sequences import LENGTH, Sequences
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-LENGTH, PROMPT, VOCAB = 16, 5, 64
-
-
-class Sequences(torch.utils.data.Dataset):
-    def __init__(self, n, seed):
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        labels = self.ids[i].clone()
-        labels[:PROMPT] = -100
-        return {"input_ids": self.ids[i], "position_ids": torch.arange(LENGTH), "labels": labels}
 
 
 def main():
