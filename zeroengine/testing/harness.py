@@ -54,7 +54,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, results, timeout_s, threads, env):
+def _worker(rank, world_size, port, fn, args, kwargs, results, timeout_s, threads, env, store_linger_s):
     import torch
     import torch.distributed as dist
 
@@ -74,7 +74,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, timeout_s, thread
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, "ok", buffer.getvalue()))
-        _leave_store_host_last(rank, world_size)
+        _leave_store_host_last(rank, world_size, store_linger_s)
     except BaseException:  # report everything, including assertion failures and SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -104,8 +104,13 @@ def _leave_store_host_last(rank: int, world_size: int, deadline_s: float = 30.0)
         pass
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, env: dict | None = None, **kwargs):
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, env: dict | None = None,
+                    store_linger_s: float = 30.0, **kwargs):
     """Call ``fn(rank, world_size, *args, **kwargs)`` on each rank; return the per-rank results as a list.
+
+    ``store_linger_s``: how long rank 0 (the rendezvous store's host) waits, after its ``fn`` returns, for the
+    others to leave (see ``_leave_store_host_last``); a test whose other ranks stay stuck until rank 0 has gone
+    sets it short.
 
     ``fn`` must be importable (defined at module level). Each worker gets
     ``max(1, cpus // world_size)`` torch threads so 4 ranks on 2 cores do not
@@ -117,7 +122,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 240.0, env: d
     threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results, timeout_s, threads,
-                                          dict(env or {})), daemon=True)
+                                          dict(env or {}), store_linger_s), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
