@@ -79,3 +79,25 @@ def test_the_all_to_all_gives_each_rank_the_whole_sequence_of_its_heads_and_back
     back = _simulated_group(heads_to_sequence, by_heads, monkeypatch)
     for r in range(world):
         torch.testing.assert_close(back[r], pieces[r])
+
+
+def test_in_eval_with_disable_in_eval_the_models_attention_runs_with_its_mask_and_training_so_warns_once(caplog):
+    calls = []
+
+    def core(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append(attention_mask)
+        return query, None
+
+    ulysses = UlyssesSPAttentionHF(core, 1, 4, 8, 4, 2, process_group=None, seq_length_is_variable=True,
+                                   disable_in_eval=True)
+    module = torch.nn.Linear(1, 1).eval()
+    q = torch.zeros(1, 4, 6, 8)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    with caplog.at_level("WARNING", logger="zeroengine.sequence_parallel.ulysses_hf"):
+        with torch.no_grad():  # evaluation: no warning
+            ulysses(module, q, q, q, mask)
+        assert "call model.train()" not in caplog.text
+        for _ in range(2):  # gradients on in eval mode: a loop that forgot model.train(), said once
+            ulysses(module, q, q, q, mask)
+    assert caplog.text.count("call model.train()") == 1
+    assert all(m is mask for m in calls) and len(calls) == 3  # the model's own mask, on the plain path

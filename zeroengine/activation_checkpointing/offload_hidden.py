@@ -68,7 +68,9 @@ class CheckpointHiddenStatesOffload(torch.autograd.graph.saved_tensors_hooks):
         self._marked: set[tuple] = set()
         self._pending: collections.deque[_Saved] = collections.deque()  # on the device, newest last
         self._in_flight: collections.deque[_Saved] = collections.deque()
-        self._pool: dict[tuple, list[torch.Tensor]] = {}
+        # idle host buffers by (shape, dtype), each with the event after which the copy back has read it (None: no
+        # copy in flight)
+        self._pool: dict[tuple, list[tuple[torch.Tensor, object]]] = {}
         self._stream = None
         self._patched = None
         self._said_on_host = False
@@ -173,17 +175,23 @@ class CheckpointHiddenStatesOffload(torch.autograd.graph.saved_tensors_hooks):
         key = (tuple(like.shape), like.dtype)
         idle = self._pool.get(key)
         if idle:
-            return idle.pop()
+            host, copied_back = idle.pop()
+            if copied_back is not None:  # (the copy back read it asynchronously: done before it is written again)
+                copied_back.synchronize()
+            return host
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.use_pin_memory)
 
     def _give_back(self, saved: _Saved) -> None:
         host, saved.host = saved.host, None
+        copied_back = None
         if self.use_pin_memory and saved.device.type == "cuda":
-            # the copy back reads the buffer asynchronously: reuse it only once that copy is done
-            torch.cuda.current_stream(saved.device).synchronize()
+            # the copy back is in flight on the current stream: mark its end rather than wait for it here, in
+            # backward, where every restored hidden state would stall the stream
+            copied_back = torch.cuda.Event()
+            copied_back.record(torch.cuda.current_stream(saved.device))
         idle = self._pool.setdefault((tuple(host.shape), host.dtype), [])
         if sum(len(v) for v in self._pool.values()) < self.max_pool:
-            idle.append(host)
+            idle.append((host, copied_back))
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -195,9 +203,7 @@ def get_checkpoint_hidden_states_offloading_ctx_manager(use_pin_memory: bool = T
                                                        min_offload_bytes: int = 1024, max_fwd_stash_count: int = 2,
                                                        max_cpu_buffer_pool_count: int = 64,
                                                        keep_last_count: int = 1) -> CheckpointHiddenStatesOffload:
-    """DeepSpeed's constructor of the context (its name and arguments)."""
-    if not torch.cuda.is_available():
-        logger.info("offload_activations: no accelerator; activations are in host memory already, so the context "
-                    "changes nothing")
+    """DeepSpeed's constructor of the context (its name and arguments). Without an accelerator the context says,
+    at the first hidden state it sees, that there is nothing to offload."""
     return CheckpointHiddenStatesOffload(use_pin_memory, use_streams, min_offload_bytes, max_fwd_stash_count,
                                          max_cpu_buffer_pool_count, keep_last_count)

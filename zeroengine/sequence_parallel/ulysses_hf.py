@@ -50,6 +50,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
         self.core_attn_implementation = None
+        self.warned_eval_training = False
         world = self.world
         if attn_head_count % world:
             raise ValueError(f"Ulysses sequence parallelism: {attn_head_count} attention heads cannot be split over "
@@ -64,7 +65,14 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
     def forward(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 *args, **kwargs):
-        if self.disable_in_eval and not module.training:
+        if self.disable_in_eval and not module.training:  # plain attention, the model's own mask
+            if torch.is_grad_enabled() and not self.warned_eval_training:
+                # from_pretrained leaves a model in eval mode, and accelerate registers with disable_in_eval: a loop
+                # that trains without model.train() would attend within each rank's piece only (DeepSpeed alike)
+                self.warned_eval_training = True
+                logger.warning("Ulysses attention: the model is in eval mode with gradients enabled, so sequence "
+                               "parallelism is off (disable_in_eval) and each rank attends within its own piece; "
+                               "call model.train() before training")
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         self._check(query, key)
         if "position_ids" not in kwargs:
@@ -80,7 +88,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if groups_before is not None:  # (the core's repeat of k/v heads, for this rank's share; restored after)
             module.num_key_value_groups = self.local_q_heads // self.local_kv_heads
         try:
-            output, weights = self.attn(module, query, key, value, attention_mask, *args, **kwargs)
+            # no mask: the model made it for this rank's piece; over the whole sequence it is the implied causal one
+            output, weights = self.attn(module, query, key, value, None, *args, **kwargs)
         finally:
             if groups_before is not None:
                 module.num_key_value_groups = groups_before
@@ -159,23 +168,14 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
 
 class _Wrapper:
-    """What transformers calls in place of its function: the causal mask is implied (the model's is local)."""
+    """What transformers calls in place of its function (a plain callable, which its registry expects); ``core``
+    is what it replaced, for unregistering."""
 
     def __init__(self, ulysses: UlyssesSPAttentionHF, core):
         self.ulysses, self.core = ulysses, core
-        self.warned = False
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
-        if self.ulysses.disable_in_eval and not module.training:  # plain attention, the model's own mask
-            if torch.is_grad_enabled() and not self.warned:
-                # from_pretrained leaves a model in eval mode, and accelerate registers with disable_in_eval: a loop
-                # that trains without model.train() would attend within each rank's piece only (DeepSpeed alike)
-                self.warned = True
-                logger.warning("Ulysses attention: the model is in eval mode with gradients enabled, so sequence "
-                               "parallelism is off (disable_in_eval) and each rank attends within its own piece; "
-                               "call model.train() before training")
-            return self.core(module, query, key, value, attention_mask, *args, **kwargs)
-        return self.ulysses(module, query, key, value, None, *args, **kwargs)
+        return self.ulysses(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 def _core_of(function):
