@@ -15,6 +15,16 @@ from zeroengine.progress import ProgressMeter, StepTimers, format_progress, get_
 from zeroengine.zero.grad_stores import engine_backward
 from zeroengine.zero.optimizer import StepResult, ZeroOptimizer
 
+
+def _clipping_line(config) -> str:
+    """The effective gradient clipping, and where it comes from when the config does not say."""
+    clip = config.gradient_clipping
+    if "gradient_clipping" in config.model_fields_set:
+        return f"gradient_clipping = {clip}" + (" (off)" if clip == 0 else "")
+    return (f"gradient_clipping = {clip} (DeepSpeed 0.19's default; set \"gradient_clipping\": 0 to turn it "
+            "off)")
+
+
 # DeepSpeed engine methods zeroengine does not have, with what to do instead.
 _DEEPSPEED_ONLY = {
     "no_sync": "at stages 0 and 1 gradients are reduced only at gradient-accumulation boundaries already, and "
@@ -67,6 +77,8 @@ class Engine(torch.nn.Module):
         self.autotp = None  # what tensor_parallel (AutoTP) split: a zeroengine.tensor_parallel.autotp.AutoTPResult
         self._destroyed = False
         self._compiled = False
+        if self.global_rank == 0:
+            self._log.info(_clipping_line(config))
 
     # -- the DeepSpeed-style accessors ---------------------------------------
     @property
@@ -332,7 +344,7 @@ class Engine(torch.nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag=None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        load_module_strict: bool = True):
+                        load_module_strict: bool = True, custom_load_fn=None):
         """Resume from ``load_dir`` (any world size, any stage). Returns ``(tag_dir, client_state)``.
 
         Everything after ``tag`` is keyword-only: DeepSpeed's positional order puts ``load_module_strict``
@@ -341,27 +353,60 @@ class Engine(torch.nn.Module):
         ``load_module_strict`` as in DeepSpeed (``load_state_dict``'s ``strict``): with False, parameters
         and buffers the checkpoint lacks keep this model's values (a trainable one starts with a fresh
         optimizer state) and stored ones this model lacks are skipped; for checkpoints saved with
-        ``exclude_frozen_parameters=True``."""
-        from zeroengine.checkpoint import load_checkpoint
+        ``exclude_frozen_parameters=True``.
+
+        ``custom_load_fn`` (DeepSpeed's) loads the model's weights instead of ``load_state_dict``: it is called
+        on every rank as ``custom_load_fn(src=state_dict, dst=engine.module)``, ``state_dict`` being the full
+        model's, consolidated from the checkpoint (fp32 parameters, buffers as saved), with every parameter
+        whole meanwhile (at stage 3 gathered); what it writes into ``dst`` on rank 0 becomes every rank's
+        weights and the optimizer's masters (the 16-bit values in 16-bit training, as DeepSpeed's masters are
+        rebuilt from its 16-bit weights). Optimizer and scheduler states and ``client_state`` load as without it
+        (the optimizer state of parameters whose names are not in the checkpoint starts fresh);
+        ``load_module_strict`` does not apply."""
+        from zeroengine.checkpoint import get_fp32_state_dict_from_zero_checkpoint, load_checkpoint
 
         self.optimizer.discard_delayed_update()  # the load writes masters, optimizer state and weights alike
         try:
-            return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                                   load_lr_scheduler_states=load_lr_scheduler_states,
-                                   load_module_only=load_module_only, strict=load_module_strict)
+            loaded = load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                     load_lr_scheduler_states=load_lr_scheduler_states,
+                                     load_module_only=load_module_only,
+                                     strict=load_module_strict and custom_load_fn is None,
+                                     report_unmatched=custom_load_fn is None)
+            if custom_load_fn is not None and loaded[0] is not None:
+                self._load_with(custom_load_fn, get_fp32_state_dict_from_zero_checkpoint(loaded[0]))
+            return loaded
         finally:
             self._restart_monitor_window()
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    def _load_with(self, custom_load_fn, state_dict: dict) -> None:
+        """``custom_load_fn(src=state_dict, dst=self.module)`` with the parameters whole; rank 0's result is kept
+        by every rank, and the optimizer's values of each parameter follow it."""
+        from zeroengine.zero import GatheredParameters
+
+        with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+            custom_load_fn(src=state_dict, dst=self.module)
+            with torch.no_grad():  # (stages 1-3 take the masters from the edited weights on leaving the block too)
+                for piece in self.optimizer.checkpoint_pieces():
+                    flat = piece.param.detach().reshape(-1)
+                    if piece.value.data_ptr() != flat.data_ptr():
+                        piece.value.copy_(flat[piece.start:piece.end].view_as(piece.value))
+        if self.global_rank == 0:
+            self._log.info("load_checkpoint: custom_load_fn loaded the model's weights (from the checkpoint's "
+                           "consolidated state_dict, in place of the load by name)")
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
         """The full model in its training dtype, as one plain state_dict on rank 0 (collective).
 
         At stage 3 this needs ``stage3_gather_16bit_weights_on_model_save``, as in DeepSpeed: the
         gather costs a full copy of the model on every rank. Returns False (and says why) when off.
+        ``exclude_frozen_parameters`` leaves out parameters that do not require grad (a frozen base model
+        under adapters: the file holds the adapters and the buffers).
         """
         from zeroengine.checkpoint.model_file import save_16bit_model
 
         try:
-            return save_16bit_model(self, save_dir, save_filename)
+            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
         finally:
             self._restart_monitor_window()
 

@@ -59,6 +59,7 @@ def _batches(steps, world):
 
 def _config():
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+            "gradient_clipping": 0,  # the reference does not clip
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-6, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}}
 

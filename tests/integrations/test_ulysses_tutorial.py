@@ -9,7 +9,8 @@ sequences, and the adapter has the group train on each rank's batch in turn: seq
 * Training variants, the script's text with only its config's stage and optimizer changed and two lines added
   (``model.step()`` after the backward, and a line writing the losses at full precision): at ZeRO 1 and 3 with
   SGD and ZeRO 2 with Adam, every loss equals one process's within 1e-5 after the same steps (SGD shows a
-  mis-scaled gradient, which Adam's normalisation hides: DeepSpeed 0.19.8 is sp-times off at stages 1-2).
+  mis-scaled gradient, which Adam's normalisation hides: DeepSpeed 0.19.8 is sp-times off at stages 1-2). The
+  config sets no gradient_clipping, so both clip at 1.0, the default of zeroengine and of DeepSpeed >= 0.19.3.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def one_process(workdir, optimizer: str | None, lr: float = 1e-3) -> list[float]
         losses.append(loss.item())
         if opt is not None:
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the config's default (DeepSpeed >= 0.19.3)
             opt.step()
             opt.zero_grad()
     return losses

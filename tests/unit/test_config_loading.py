@@ -170,7 +170,9 @@ def test_switched_on_features_are_errors(config):
 
 def test_defaults():
     cfg = load_config({"train_micro_batch_size_per_gpu": 1})
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10 and not cfg.wall_clock_breakdown
+    # DeepSpeed's default since 0.19.3 (PR #8068); an explicit 0 turns clipping off
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10 and not cfg.wall_clock_breakdown
+    assert load_config({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0}).gradient_clipping == 0.0
     assert cfg.optimizer is None and cfg.scheduler is None
     assert cfg.zero_stage == 0 and cfg.zero_optimization.overlap_comm is False
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000

@@ -52,6 +52,7 @@ def _reference_sgd(batches):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     for x, y in batches:
         _loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # gradient_clipping's default (DeepSpeed >= 0.19.3)
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in model.parameters()]

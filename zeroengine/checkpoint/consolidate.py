@@ -18,14 +18,15 @@ from zeroengine.progress import get_logger
 
 from . import manifest as mf
 from . import tensor_split as ts
-from .files import CheckpointError, load_tensors, save_tensors
+from .files import CheckpointError, save_tensors
+from .formats import read_manifest
 
 
 def load_client_state(checkpoint_dir: str, tag: str | None = None) -> dict:
     """The ``client_state`` saved with a checkpoint, read without a training world (for a Lightning
     ``trainer.test(ckpt_path=...)`` that builds no engine)."""
-    manifest = mf.Manifest.read(_tag_dir(checkpoint_dir, tag))
-    return load_tensors(manifest.verify_file(mf.COMMON))["client_state"]
+    manifest = read_manifest(_tag_dir(checkpoint_dir, tag))
+    return manifest.open(mf.COMMON)["client_state"]
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
@@ -38,7 +39,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     require grad when saved (the manifest names them; checkpoints from before it did are refused), and
     ``lazy_mode`` has no effect (values are loaded at once).
     """
-    manifest = mf.Manifest.read(_tag_dir(checkpoint_dir, tag))
+    manifest = read_manifest(_tag_dir(checkpoint_dir, tag))
     frozen = set(manifest.data.get("frozen_params", []))
     if exclude_frozen_parameters and "frozen_params" not in manifest.data:
         raise CheckpointError(f"{manifest.tag_dir} does not record which parameters were frozen (saved by an "
@@ -48,10 +49,18 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
 
     def opened(file: str) -> dict:
         if file not in files:
-            files[file] = load_tensors(manifest.verify_file(file))
+            files[file] = manifest.open(file)
         return files[file]
 
+    # buffers and frozen parameters first, then the trained parameters, then tied names: DeepSpeed's order
     out: dict[str, torch.Tensor] = {}
+    extras = dict(opened(mf.COMMON)["module_extras"])
+    for file, info in manifest.data["files"].items():  # later pipeline stages' buffers and frozen parameters
+        if info.get("module_extras"):
+            extras.update(opened(file)["module_extras"])
+    for name, value in extras.items():
+        if not (exclude_frozen_parameters and name in frozen):
+            out[name] = value.to(dtype) if value.is_floating_point() else value.clone()
     progress = _Progress(manifest)
     for base in dict.fromkeys(ts.base_name(name) for name in manifest.params):  # tensor-parallel pieces merged
         names = ts.stored_pieces(manifest.params, base)
@@ -66,13 +75,6 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
             flats.append(flat)
             progress.advance(numel)
         out[base] = ts.merge(manifest.params, names, flats)
-    extras = dict(opened(mf.COMMON)["module_extras"])
-    for file, info in manifest.data["files"].items():  # later pipeline stages' buffers and frozen parameters
-        if info.get("module_extras"):
-            extras.update(opened(file)["module_extras"])
-    for name, value in extras.items():
-        if not (exclude_frozen_parameters and name in frozen):
-            out[name] = value.to(dtype) if value.is_floating_point() else value.clone()
     for alias, name in manifest.data.get("aliases", {}).items():
         if name in out:
             out[alias] = out[name]

@@ -26,18 +26,21 @@ from zeroengine.zero.param_guard import full_shape
 from . import manifest as mf
 from . import tensor_split as ts
 from .agreement import exchange, raise_failures
-from .files import CheckpointError, load_tensors
+from .files import CheckpointError
+from .formats import read_manifest
 from .state import parameter_places, restore_rng, stored_shape
 
 
 def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, strict: bool = True):
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, strict: bool = True,
+                    report_unmatched: bool = True):
     """Returns ``(tag_dir, client_state)``, or ``(None, None)`` when ``load_dir`` holds no checkpoint.
 
     ``strict`` (DeepSpeed's ``load_module_strict``), as in ``load_state_dict``: every value of the model
     comes from the checkpoint and every stored value goes into the model. Without it, what the checkpoint
     lacks keeps the model's own value (a trainable one starts with a fresh optimizer state) and what the
-    model lacks is skipped."""
+    model lacks is skipped; ``report_unmatched`` says so in a warning (off when the caller loads the weights
+    its own way next: ``custom_load_fn``)."""
     rank = comm.get_rank()
     plan, problem = None, None
     optimizer_states = load_optimizer_states and not load_module_only
@@ -81,9 +84,10 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         _load_training_state(engine, common, optimizer_states, load_lr_scheduler_states, plan.group_order)
         plan.restore_rng()
     if rank == 0:
-        get_logger().info(f"loaded checkpoint {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
+        which = "DeepSpeed checkpoint" if plan.manifest.data["format"] == "deepspeed" else "checkpoint"
+        get_logger().info(f"loaded {which} {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
                           f"rank(s) at ZeRO stage {plan.manifest.data['zero_stage']})")
-        if not strict and (plan.missing or nobody):
+        if not strict and report_unmatched and (plan.missing or nobody):
             get_logger().warning(f"load_module_strict=False: {_some(plan.missing)} kept this model's values (not in "
                                  f"the checkpoint); {_some(nobody)} of the checkpoint skipped (not in this model)")
     return plan.tag_dir, common["client_state"]
@@ -127,18 +131,18 @@ class _Plan:
         self.tag_dir = mf.resolve_tag_dir(load_dir, tag)
         if self.tag_dir is None:
             return
-        self.manifest = mf.Manifest.read(self.tag_dir)
+        self.manifest = read_manifest(self.tag_dir)
         self.places = parameter_places(engine.module)
         self.pieces = engine.optimizer.checkpoint_pieces()
         if mf.COMMON not in self.manifest.data["files"]:
             raise CheckpointError(f"{self.tag_dir}: the manifest does not list {mf.COMMON}")
-        self.files = {mf.COMMON: load_tensors(self.manifest.verify_file(mf.COMMON))}
+        self.files = {mf.COMMON: self.manifest.open(mf.COMMON)}
         self.common = self.files[mf.COMMON]
         # buffers and frozen parameters: rank 0's in common.pt, later pipeline stages' in their shard files
         self.extras = dict(self.common["module_extras"])
         for file, info in self.manifest.data["files"].items():
             if info.get("module_extras"):
-                self.files.setdefault(file, load_tensors(self.manifest.verify_file(file)))
+                self.files.setdefault(file, self.manifest.open(file))
                 self.extras.update(self.files[file]["module_extras"])
         self._full_values: dict[str, dict[str, torch.Tensor]] = {}
         self._match_names()
@@ -163,7 +167,7 @@ class _Plan:
                                                                             place.offset + numel))
         for file in sorted(needed - set(self.files)):
             if file in self.manifest.data["files"]:
-                self.files[file] = load_tensors(self.manifest.verify_file(file))
+                self.files[file] = self.manifest.open(file)
         self.module_values = dict(self.extras)
         for name, (place, numel) in self.from_shards.items():
             if id(self.module_state[name]) in self.resharded:

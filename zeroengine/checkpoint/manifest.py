@@ -20,7 +20,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .files import CheckpointError, load_json, verify
+from .deepspeed.layout import looks_like_deepspeed
+from .files import CheckpointError, load_json, load_tensors, verify
 
 FORMAT = "zeroengine-checkpoint"
 VERSION = 1
@@ -75,10 +76,9 @@ class Manifest:
         if not os.path.isdir(tag_dir):
             raise CheckpointError(f"checkpoint directory {tag_dir} does not exist")
         if not os.path.exists(path):
-            if _looks_like_deepspeed(tag_dir):
-                raise CheckpointError(f"{tag_dir} is a DeepSpeed checkpoint, which zeroengine cannot read (the "
-                                      "formats differ): consolidate it with DeepSpeed's zero_to_fp32.py and load "
-                                      "that state_dict into the model before zeroengine.initialize()")
+            if looks_like_deepspeed(tag_dir):
+                raise CheckpointError(f"{tag_dir} is a DeepSpeed checkpoint: read it with "
+                                      "zeroengine.checkpoint.formats.read_manifest")
             raise CheckpointError(f"checkpoint {tag_dir} is incomplete (no {MANIFEST}): the save that wrote it "
                                   "did not finish; load another tag")
         data = load_json(path)
@@ -108,6 +108,10 @@ class Manifest:
         path = self.path(file)
         verify(path, self.data["files"][file])
         return path
+
+    def open(self, file: str) -> dict:
+        """The contents of one of the checkpoint's files, checked against the manifest (memory-mapped)."""
+        return load_tensors(self.verify_file(file))
 
     def entries_overlapping(self, name: str, start: int, end: int) -> list[Entry]:
         """The entries covering [start, end) of ``name``; an error if any element is missing."""
@@ -154,15 +158,6 @@ def _merge_per_rank_stacks(params: dict) -> dict[str, tuple[str, int]]:
     return moved
 
 
-def _looks_like_deepspeed(folder: str) -> bool:
-    """DeepSpeed writes mp_rank_XX_model_states.pt and *_optim_states.pt files into a tag directory."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return False
-    return any(n.startswith("mp_rank_") or n.endswith("optim_states.pt") for n in names)
-
-
 def read_latest(save_dir: str) -> str | None:
     path = os.path.join(save_dir, LATEST)
     if not os.path.exists(path):
@@ -180,7 +175,7 @@ def resolve_tag_dir(load_dir: str, tag: str | None) -> str | None:
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
-            if os.path.exists(os.path.join(load_dir, MANIFEST)) or _looks_like_deepspeed(load_dir):
+            if os.path.exists(os.path.join(load_dir, MANIFEST)) or looks_like_deepspeed(load_dir):
                 return load_dir  # one tag's directory (as ze_to_fp32 takes it); Manifest.read says if foreign
             return None
     tag = check_tag(tag)

@@ -51,9 +51,12 @@ def gathered_state_dict(module: torch.nn.Module, exclude_frozen: bool = False) -
             if not (exclude_frozen and name in frozen)}
 
 
-def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
     """Collective (as in DeepSpeed): every rank calls it, rank 0 writes the file. A rank that does not
-    arrive is named after the handshake deadline, instead of a collective timing out with no word on why."""
+    arrive is named after the handshake deadline, instead of a collective timing out with no word on why.
+    ``exclude_frozen_parameters`` leaves out parameters that do not require grad (adapters over a frozen base
+    model: the file holds the adapters and the buffers)."""
     exchange("save_16bit_model", None, ". Call engine.save_16bit_model on all ranks, not under `if rank == 0:` "
                                        "(only rank 0 writes the file anyway)")
     engine.optimizer.land_delayed_update()  # (collective: after the exchange that names a missing rank)
@@ -63,9 +66,9 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
             get_logger().warning(
                 "save_16bit_model did not save the model: at ZeRO stage 3 it needs "
                 "zero_optimization.stage3_gather_16bit_weights_on_model_save=true (or consolidate a checkpoint "
-                "with ze_to_fp32 --dtype bf16)")
+                f"with ze_to_fp32 --dtype bf16{' --exclude_frozen_parameters' if exclude_frozen_parameters else ''})")
         return False
-    state = gathered_state_dict(engine.module)
+    state = gathered_state_dict(engine.module, exclude_frozen=exclude_frozen_parameters)
     if comm.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
         save_tensors(state, os.path.join(save_dir, save_filename))

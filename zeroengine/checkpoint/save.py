@@ -74,6 +74,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
         os.makedirs(staging, exist_ok=True)
         report["files"].update(_write_shard(engine, staging, rank, module_extras if rank != 0 else None))
         report["params"] = _param_table(engine)
+        report["order"] = _parameter_order(engine)
         if rank == 0:
             report["files"][mf.COMMON] = save_tensors(_common_state(engine, training_state, module_extras,
                                                                     client_state),
@@ -223,6 +224,15 @@ def _param_table(engine) -> dict:
     return table
 
 
+def _parameter_order(engine) -> list[str]:
+    """This rank's parameters' stored names in the model's order (named_parameters): the manifest's
+    ``param_order`` (the params table is a JSON object, whose key order is not kept), which DeepSpeed's flat
+    groups follow when ze_to_deepspeed writes them."""
+    places = parameter_places(engine.module)
+    held = {places[id(p)].name for p in engine.optimizer.checkpoint_params()}
+    return [name for name in dict.fromkeys(places[id(p)].name for p in engine.module.parameters()) if name in held]
+
+
 def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool,
             frozen: dict) -> None:
     files, params = {}, {}
@@ -246,6 +256,9 @@ def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], 
         "dtype": str(engine.policy.param_dtype).replace("torch.", ""),
         "optimizer": type(engine.optimizer.optimizer).__name__,
         "params": params, "aliases": parameter_aliases(engine.module, names), "files": files, **frozen,
+        # every rank's in rank order (later pipeline stages hold later layers)
+        "param_order": list(dict.fromkeys(name for report in reports for name in report.get("order", [])
+                                          if name in params)),
     }
     save_json(data, os.path.join(staging, mf.MANIFEST))
     fsync_dir(staging)

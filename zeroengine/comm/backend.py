@@ -224,6 +224,13 @@ def get_world_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+def get_global_rank(group=None, group_rank: int = 0) -> int:
+    """The world rank of the member ``group_rank`` of ``group`` (the world when None: ``group_rank`` itself)."""
+    if group is None or group is dist.group.WORLD or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def device_for_backend() -> torch.device:
     """Where collective buffers must live: the current CUDA device for NCCL, CPU for gloo."""
     if dist.is_initialized() and dist.get_backend() == "nccl":

@@ -257,18 +257,51 @@ def all_gather_object(obj, group=None) -> list:
 # asynchronous: a schedule that blocked in a send while its partner blocked in its own send the other way
 # (1F1B's steady state) would deadlock; so a send returns a handle to wait on later, and a receive blocks.
 
-def isend(tensor: torch.Tensor, dst: int, group=None):
-    """Start sending ``tensor`` to global rank ``dst``; leave ``tensor`` unchanged until the handle's ``wait``."""
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """Start sending ``tensor`` to global rank ``dst``; leave ``tensor`` unchanged until the handle's ``wait``.
+    ``tag`` tells apart messages between the same two ranks (not with NCCL)."""
     size = _nbytes(tensor)
     counters.record("send", size, float(size))
-    return _call("send", size, group, lambda: dist.isend(tensor, dst=dst, group=group), async_op=True)
+    return _call("send", size, group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), async_op=True)
 
 
-def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
     """Receive into ``tensor`` from global rank ``src`` (blocks until it has arrived)."""
     size = _nbytes(tensor)
     counters.record("recv", size, 0.0)
-    _call("recv", size, group, lambda: dist.irecv(tensor, src=src, group=group), async_op=False)
+    _call("recv", size, group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), async_op=False)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst`` and wait until it has gone (a blocking :func:`isend`)."""
+    isend(tensor, dst, group=group, tag=tag).wait()
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
+    """Start receiving into ``tensor`` from global rank ``src``; its values are there after the handle's ``wait``."""
+    size = _nbytes(tensor)
+    counters.record("recv", size, 0.0)
+    return _call("recv", size, group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), async_op=True)
+
+
+def recv_from_any(tensor: torch.Tensor, group=None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from whichever rank sends first (blocks); returns that rank (global)."""
+    size = _nbytes(tensor)
+    counters.record("recv", size, 0.0)
+    try:
+        return dist.recv(tensor, src=None, group=group, tag=tag)
+    except RuntimeError as exc:
+        raise _failed("recv", size, group, _LABEL.get(), exc) from exc
+
+
+def broadcast_object_list(object_list: list, src: int, group=None, device=None) -> None:
+    """Replace ``object_list``'s items on every rank by those of global rank ``src`` (picklable objects;
+    bookkeeping, counted as ``control`` like :func:`all_gather_object`). ``device``: where the pickles travel
+    (torch's default: the current CUDA device under NCCL)."""
+    marker = torch.zeros(1)
+    _before("control", marker, group, 0, sizes_must_match=False)
+    _call("broadcast_object_list", 0, group,
+          lambda: dist.broadcast_object_list(object_list, src=src, group=group, device=device), async_op=False)
 
 
 def wait_all(handles: list) -> None:

@@ -89,3 +89,13 @@ def host_group(group=None):
         return twins[_WORLD][1]
     entry = twins.get(id(group))
     return entry[1] if entry is not None and entry[0] is group else None
+
+
+def destroy_group(group) -> None:
+    """Destroy ``group`` (one made by :func:`new_group`, not the world: that is :func:`zeroengine.comm.shutdown`)
+    and its host twin. Every member calls it once it is done with the group."""
+    twins = _HOST_TWINS.current()
+    entry = twins.pop(id(group), None)
+    dist.destroy_process_group(group)
+    if entry is not None and entry[0] is group:
+        dist.destroy_process_group(entry[1])

@@ -40,7 +40,8 @@ class ZeroEngineConfig(ConfigModel):
     gradient_accumulation_steps: Optional[PositiveInt] = Field(
         None, description="Micro-batches accumulated per optimizer step." + _BATCH)
     gradient_clipping: NonNegativeFloat = Field(
-        0.0, description="Clip the global gradient norm to this value; 0 disables clipping.")
+        1.0, description="Clip the global gradient norm to this value; 0 disables clipping. The default, 1.0, is "
+                         "DeepSpeed's since 0.19.3 (0 before).")
     steps_per_print: Optional[NonNegativeInt] = Field(
         10, description="Log progress every this many optimizer steps; null, 0 or infinity: never (DeepSpeed's "
                    "default).")

@@ -30,13 +30,14 @@ from zeroengine.integrations import accelerate_cpu
 
 ENV_VAR = "ZEROENGINE_AS_DEEPSPEED"
 
-# The DeepSpeed version reported to transformers and accelerate, which pick code paths by it: 0.18.2, the lowest
-# that opens every path zeroengine serves. accelerate 1.15's highest gate, ``>= 0.18.2``, opens Ulysses sequence
-# parallelism (ALST) through ``ParallelismConfig(sp_backend="deepspeed")``; the others are lower (``>= 0.16.4``
-# tensor parallelism, ``>= 0.14.4`` ``engine.compile``, ``>= 0.9.3`` the floor), and nothing in transformers 5.24 or
-# accelerate 1.15 compares against a later version, so 0.18.2 opens no path gated on a later DeepSpeed feature.
-# docs/integrations.md lists every gate and how zeroengine meets it.
-DEEPSPEED_VERSION = "0.18.2"
+# The DeepSpeed version reported to transformers and accelerate, which pick code paths by it: 0.19.8, the DeepSpeed
+# whose behaviour the alias gives (its API, config keys and defaults, e.g. gradient_clipping 1.0, DeepSpeed's default
+# since 0.19.3; docs/migrating-from-deepspeed.md compares against 0.19.8). Every gate of transformers 5.24 and
+# accelerate 1.15 is at or below it: the highest, ``>= 0.18.2``, opens Ulysses sequence parallelism (ALST) through
+# ``ParallelismConfig(sp_backend="deepspeed")``; the others are lower (``>= 0.16.4`` tensor parallelism, ``>= 0.14.4``
+# ``engine.compile``, ``>= 0.9.3`` the floor), and none compares against a 0.19 version, so reporting 0.19.8 opens
+# no path that 0.18.2 kept closed. docs/integrations.md lists every gate and how zeroengine meets it.
+DEEPSPEED_VERSION = "0.19.8"
 
 ALIAS = "deepspeed"
 TARGET = "zeroengine.integrations.ds_compat"

@@ -41,6 +41,7 @@ import weakref
 
 import torch
 from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
@@ -239,21 +240,36 @@ class Init:
     live until ``initialize()``; ``pin_memory`` pins them there.
     Every rank must build the same modules in the same order, with the same
     seed (a collective may run when an init op reads a parameter's values).
+
+    DeepSpeed's other arguments: ``module`` partitions a model built before, at once (no ``with`` needed: the
+    call does it, and a model may be passed as the first argument, DeepSpeed's position for it); ``dtype``
+    casts the floating-point parameters and buffers built inside (or of ``module``) to it (None: they keep the
+    dtype they are built in; DeepSpeed then takes the config's fp16/bf16 dtype); ``mpu`` (a Megatron-style
+    model-parallel unit): without ``data_parallel_group``, its data-parallel group is the one partitioned
+    over, the ranks that hold the same parameters (DeepSpeed partitions over the world unless told, which
+    mixes tensor-parallel slices); ``mem_efficient_linear`` changes nothing (no function is replaced).
     """
 
     _depth = 0
 
     def __init__(self, config=None, enabled: bool = True, data_parallel_group=None, config_dict_or_path=None,
-                 remote_device: str | None = None, pin_memory: bool = False):
+                 remote_device: str | None = None, pin_memory: bool = False, *, module=None, dtype=None,
+                 mpu=None, mem_efficient_linear: bool = True):
+        del mem_efficient_linear  # DeepSpeed's replacement of F.linear; zeroengine replaces no function
+        if isinstance(config, torch.nn.Module) and module is None:  # DeepSpeed's first positional argument
+            config, module = None, config
         # config_dict_or_path: DeepSpeed's name for ``config``
         stage, offloads_params = _zero_settings(config if config is not None else config_dict_or_path)
         self.enabled = enabled and stage in (None, 3)
         self.remote_device = _remote_device(remote_device, self.enabled and offloads_params)
         self.pin_memory = bool(pin_memory)
-        self.group = data_parallel_group
+        self.group = data_parallel_group if data_parallel_group is not None else _mpu_data_group(mpu)
+        self.dtype = _float_dtype(dtype)
         self.state: _InitState | None = None
         self._handle = None
         self._mode = None
+        if module is not None:
+            self.partition_module(module)
 
     @property
     def peak_bytes(self) -> int:
@@ -267,10 +283,9 @@ class Init:
             return self
         self._nested = False
         Init._depth += 1
-        comm.init_distributed()
-        self.state = _InitState(comm.get_rank(), comm.get_world_size(self.group), self.group, self.remote_device,
-                                self.pin_memory)
+        self.state = self._new_state()
         self._handle = register_module_parameter_registration_hook(self._on_register)
+        self._buffer_handle = register_module_buffer_registration_hook(self._on_buffer) if self.dtype else None
         # Which modules became another's child, to name each parameter by its full path at exit.
         self._owners: list = []
         self._parents: dict[int, weakref.ref] = {}
@@ -289,6 +304,8 @@ class Init:
             self._mode.__exit__(exc_type, exc, tb)
             self._handle.remove()
             self._child_handle.remove()
+            if self._buffer_handle is not None:
+                self._buffer_handle.remove()
         if exc_type is None:
             try:
                 self._name_by_full_path()
@@ -302,9 +319,48 @@ class Init:
             return None  # tied: already partitioned under its first owner
         if not param.is_floating_point():
             return None  # an integer table (ids, indices) stays whole, as stage 3 keeps it (stage3.split_params)
+        self._cast(param)
         self.state.adopt(param, name)
         self._owners.append(weakref.ref(module))
         return None
+
+    def _on_buffer(self, module, name, buffer):
+        if buffer is not None and buffer.is_floating_point() and buffer.dtype != self.dtype:
+            return buffer.to(self.dtype)  # (the hook's return value is what the module registers)
+        return None
+
+    def _cast(self, param: torch.nn.Parameter) -> None:
+        if self.dtype is not None and param.dtype != self.dtype:
+            with torch._C.DisableTorchFunction():
+                param.data = param.data.to(self.dtype)
+
+    def _new_state(self) -> _InitState:
+        comm.init_distributed()
+        return _InitState(comm.get_rank_in(self.group), comm.get_world_size(self.group), self.group,
+                          self.remote_device, self.pin_memory)
+
+    def partition_module(self, module: torch.nn.Module) -> None:
+        """Partition the parameters of ``module``, built outside Init, as if it had been built inside
+        (DeepSpeed's ``zero.Init(module=...)``); collective: every rank passes the same model. Parameters
+        already partitioned are left as they are; with Init disabled nothing changes."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"zero.Init(module=...): expected an nn.Module, got {type(module).__name__}")
+        if not self.enabled:
+            return
+        state = self.state if self.state is not None else self._new_state()
+        if self.dtype is not None:
+            for sub in module.modules():
+                for key, buffer in list(sub.named_buffers(recurse=False)):
+                    if buffer.is_floating_point():
+                        setattr(sub, key, buffer.to(self.dtype))  # (stays a buffer, persistent or not)
+        for name, param in module.named_parameters():
+            if is_init_partitioned(param) or not param.is_floating_point():
+                continue
+            self._cast(param)
+            state.adopt(param, name)
+            state.flush()
+        if self.state is None:
+            self.state = state
 
     def _on_child(self, parent, _name, child):
         if child is not None:
@@ -329,6 +385,26 @@ class Init:
                 if info is not None and getattr(info, "init_shard", None) is not None and id(p) not in named:
                     named.add(id(p))
                     info.name = full_name
+
+
+def _mpu_data_group(mpu):
+    """The data-parallel group of a Megatron-style ``mpu`` (None without one: the world)."""
+    if mpu is None:
+        return None
+    getter = getattr(mpu, "get_data_parallel_group", None)
+    if not callable(getter):
+        raise TypeError("zero.Init(mpu=...): the mpu lacks get_data_parallel_group(), the ranks that hold the "
+                        "same parameters and partition them; pass data_parallel_group instead")
+    return getter()
+
+
+def _float_dtype(dtype) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"zero.Init(dtype={dtype!r}): expected a floating-point torch.dtype (torch.float32, "
+                         "torch.bfloat16, torch.float16) or None")
+    return dtype
 
 
 def _remote_device(remote_device, offloads_params: bool) -> torch.device | None:

@@ -1,3 +1,3 @@
-"""``deepspeed.runtime``: the engine, ZeRO, schedules, the optimizer base and the data loader helpers under
-DeepSpeed's paths."""
-from . import base_optimizer, dataloader, engine, lr_schedules, zero  # noqa: F401
+"""``deepspeed.runtime``: the engine, ZeRO, pipeline, schedules, the optimizer base and the data loader helpers
+under DeepSpeed's paths."""
+from . import activation_checkpointing, base_optimizer, dataloader, engine, lr_schedules, pipe, utils, zero  # noqa: F401

@@ -1,0 +1,1 @@
+"""DeepSpeed's checkpoint layout: read as a zeroengine manifest (reader), written for DeepSpeed (to_deepspeed)."""
