@@ -24,6 +24,30 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.norm(self.a(x)))) * self.scale
 
 
+def join_world(rank: int, world: int, port: int):
+    """A DeepSpeed-side rank (spawned by its script): the rendezvous variables, the CPU accelerator, one thread;
+    returns the deepspeed module (imported only here, in DeepSpeed's processes)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def param_groups(model: Net) -> list[dict]:
+    """Two groups, decay and no-decay (the usual split): the checkpoint must keep each group's settings and
+    state, and a stage-0 file, which names parameters by position only, must be read group by group."""
+    matrices = [model.a.weight, model.b.weight]
+    return [{"params": matrices},
+            {"params": [p for p in model.parameters() if all(p is not m for m in matrices)], "weight_decay": 0.0}]
+
+
 def config(stage: int, precision: str, world: int) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},

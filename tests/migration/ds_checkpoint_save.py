@@ -3,9 +3,10 @@
     python ds_checkpoint_save.py ROOT WORLD CASE [CASE ...]       (CASE: stage:precision, e.g. 2:bf16)
 
 For each case, in one world of WORLD gloo ranks: train TRAIN_STEPS steps and save_checkpoint(ROOT/CASE)
-(with a client_state); then a fresh engine loads that checkpoint and trains CONTINUE_STEPS more. Rank 0
+(with a client_state); then loads that checkpoint back and trains CONTINUE_STEPS more. Rank 0
 writes ROOT/CASE.json: the losses, lrs and full parameters after continuing, which zeroengine must match
-when it loads the same checkpoint.
+when it loads the same checkpoint; and, for the ZeRO cases, ROOT/fp32/CASE.pt: DeepSpeed's own zero_to_fp32 of
+the checkpoint.
 """
 import json
 import os
@@ -33,20 +34,13 @@ def _engine(case: str, world: int):
     stage, precision = case.split(":")
     torch.manual_seed(0)
     model = common.Net()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=common.param_groups(model),
                                            config=common.config(int(stage), precision, world))
     return engine
 
 
 def _rank(rank: int, world: int, port: int, root: str, cases: list) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    import logging
-
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed = common.join_world(rank, world, port)
     _allow_fp16_on_cpu()
     for case in cases:
         folder = os.path.join(root, case.replace(":", "_"))
@@ -55,8 +49,8 @@ def _rank(rank: int, world: int, port: int, root: str, cases: list) -> None:
         # (universal_checkpoint_info: what ds_to_universal requires of a checkpoint it converts)
         engine.save_checkpoint(folder, client_state={"note": "from deepspeed", "seen": torch.arange(4),
                                                      "universal_checkpoint_info": {}})
-        del engine
-        engine = _engine(case, world)
+        # DeepSpeed's continuation from its own checkpoint: loaded back into the engine that saved it (a fresh
+        # engine would cost an initialization per case and load the same)
         _, client_state = engine.load_checkpoint(folder)
         record = common.train(engine, common.TRAIN_STEPS, common.CONTINUE_STEPS, rank, world)
         record["params"] = common.full_parameters(engine, deepspeed.zero.GatheredParameters)
@@ -64,6 +58,13 @@ def _rank(rank: int, world: int, port: int, root: str, cases: list) -> None:
         if rank == 0:
             with open(folder + ".json", "w") as f:
                 json.dump(record, f)
+            if not case.startswith("0:"):  # (zero_to_fp32 reads ZeRO checkpoints only)
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+                state = get_fp32_state_dict_from_zero_checkpoint(folder)
+                os.makedirs(os.path.join(root, "fp32"), exist_ok=True)
+                torch.save({k: v.clone() for k, v in state.items()},
+                           os.path.join(root, "fp32", os.path.basename(folder) + ".pt"))
     torch.distributed.destroy_process_group()
 
 

@@ -1,9 +1,9 @@
 """Real DeepSpeed's pipeline run for the DeepSpeed-checkpoint tests (DeepSpeed 0.19.8 importable):
 
-    python ds_pipeline_save.py ROOT ZERO_STAGE
+    python ds_pipeline_save.py ROOT ZERO_STAGE [ZERO_STAGE ...]
 
-2 ranks, 2 pipeline stages: train TRAIN_STEPS batches, save_checkpoint(ROOT/pipe_<stage>) (per-layer files and
-one mp_rank file set per stage), then a fresh engine loads it and trains CONTINUE_STEPS more; rank 0 writes
+For each ZeRO stage, 2 ranks, 2 pipeline stages: train TRAIN_STEPS batches, save_checkpoint(ROOT/pipe_<stage>) (per-layer files and
+one mp_rank file set per stage), then loads it back and trains CONTINUE_STEPS more; rank 0 writes
 ROOT/pipe_<stage>.json (losses after loading, full parameters at the end).
 """
 import json
@@ -30,33 +30,26 @@ def _engine(zero_stage: int):
     return engine
 
 
-def _rank(rank: int, world: int, port: int, root: str, zero_stage: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    import logging
-
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+def _rank(rank: int, world: int, port: int, root: str, zero_stages: list) -> None:
+    deepspeed = common.join_world(rank, world, port)
     deepspeed.init_distributed("gloo")
-    folder = os.path.join(root, f"pipe_{zero_stage}")
-    engine = _engine(zero_stage)
-    common.pipeline_train(engine, 0, common.TRAIN_STEPS)
-    engine.save_checkpoint(folder)
-    engine = _engine(zero_stage)
-    engine.load_checkpoint(folder)
-    record = {"losses": common.pipeline_train(engine, common.TRAIN_STEPS, common.CONTINUE_STEPS),
-              "params": common.pipeline_parameters(engine)}
-    if rank == 0:
-        with open(folder + ".json", "w") as f:
-            json.dump(record, f)
+    for zero_stage in zero_stages:
+        folder = os.path.join(root, f"pipe_{zero_stage}")
+        engine = _engine(zero_stage)
+        common.pipeline_train(engine, 0, common.TRAIN_STEPS)
+        engine.save_checkpoint(folder)
+        engine.load_checkpoint(folder)  # (back into the engine that saved it: DeepSpeed's own continuation)
+        record = {"losses": common.pipeline_train(engine, common.TRAIN_STEPS, common.CONTINUE_STEPS),
+                  "params": common.pipeline_parameters(engine)}
+        if rank == 0:
+            with open(folder + ".json", "w") as f:
+                json.dump(record, f)
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    root, zero_stage = sys.argv[1], int(sys.argv[2])
+    root, zero_stages = sys.argv[1], [int(s) for s in sys.argv[2:]]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(2, port, root, zero_stage), nprocs=2)
+    mp.spawn(_rank, args=(2, port, root, zero_stages), nprocs=2)

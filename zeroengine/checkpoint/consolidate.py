@@ -25,7 +25,7 @@ from .formats import read_manifest
 def load_client_state(checkpoint_dir: str, tag: str | None = None) -> dict:
     """The ``client_state`` saved with a checkpoint, read without a training world (for a Lightning
     ``trainer.test(ckpt_path=...)`` that builds no engine)."""
-    manifest = read_manifest(_tag_dir(checkpoint_dir, tag))
+    manifest = read_manifest(mf.find_tag_dir(checkpoint_dir, tag))
     return manifest.open(mf.COMMON)["client_state"]
 
 
@@ -39,7 +39,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     require grad when saved (the manifest names them; checkpoints from before it did are refused), and
     ``lazy_mode`` has no effect (values are loaded at once).
     """
-    manifest = read_manifest(_tag_dir(checkpoint_dir, tag))
+    manifest = read_manifest(mf.find_tag_dir(checkpoint_dir, tag))
     frozen = set(manifest.data.get("frozen_params", []))
     if exclude_frozen_parameters and "frozen_params" not in manifest.data:
         raise CheckpointError(f"{manifest.tag_dir} does not record which parameters were frozen (saved by an "
@@ -144,16 +144,6 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     """Load the consolidated fp32 weights into a plain (unwrapped) ``model``; returns the model."""
     model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag))
     return model
-
-
-def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
-    if tag is None and os.path.exists(os.path.join(checkpoint_dir, mf.MANIFEST)):
-        return checkpoint_dir
-    tag_dir = mf.resolve_tag_dir(checkpoint_dir, tag)
-    if tag_dir is None:
-        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file and no {mf.MANIFEST}: pass --tag, or the "
-                              "directory save_checkpoint wrote to")
-    return tag_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
+    """``write(f)`` into a temporary file beside ``path``, fsynced and renamed over it (see the module's note)."""
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -48,12 +49,12 @@ def _atomic_write(path: str, write) -> None:
 
 def save_tensors(obj, path: str) -> dict:
     """``torch.save`` ``obj`` to ``path`` atomically; returns ``{"sha256", "bytes"}`` of the file written."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f))
     return {"sha256": sha256_of(path), "bytes": os.path.getsize(path)}
 
 
 def save_text(text: str, path: str) -> None:
-    _atomic_write(path, lambda f: f.write(text.encode()))
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def save_json(obj, path: str) -> None:

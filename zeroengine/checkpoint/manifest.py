@@ -184,3 +184,15 @@ def resolve_tag_dir(load_dir: str, tag: str | None) -> str | None:
         # A save under an existing tag was interrupted between its two renames: the old copy is whole.
         return replaced_dir(load_dir, tag)
     return tag_dir
+
+
+def find_tag_dir(checkpoint_dir: str, tag: str | None) -> str:
+    """The tag directory a tool reads: ``checkpoint_dir`` itself when it is one tag's directory, else
+    ``checkpoint_dir/tag`` (or the tag ``latest`` names); an error that says what to pass when there is none."""
+    if tag is None and os.path.exists(os.path.join(checkpoint_dir, MANIFEST)):
+        return checkpoint_dir
+    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
+    if tag_dir is None:
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file and no {MANIFEST}: pass --tag, or the "
+                              "directory save_checkpoint wrote to")
+    return tag_dir

@@ -28,9 +28,7 @@ DEFAULT_SHARD_MB = 256
 def convert_from_deepspeed(src: str, dst: str, tag: str | None = None, shard_mb: int = DEFAULT_SHARD_MB) -> str:
     """Write DeepSpeed checkpoint ``src`` (a save_dir with ``latest``, or one tag folder) to ``dst/<tag>`` in
     zeroengine's format; returns the tag folder written. Refuses a ``dst/<tag>`` that exists."""
-    tag_dir = mf.resolve_tag_dir(src, tag)
-    if tag_dir is None:
-        raise CheckpointError(f"{src} has no 'latest' file: pass the tag to convert")
+    tag_dir = mf.find_tag_dir(src, tag)
     source = read_manifest(tag_dir)
     if not isinstance(source, DeepSpeedManifest):
         raise CheckpointError(f"{tag_dir} is a zeroengine checkpoint already")

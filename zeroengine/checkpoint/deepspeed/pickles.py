@@ -15,7 +15,6 @@ files zeroengine writes.
 from __future__ import annotations
 
 import enum
-import io
 import os
 import pickle
 import re
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..files import CheckpointError, fsync_dir
+from ..files import CheckpointError, atomic_write
 
 _LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 
@@ -130,18 +129,4 @@ class _PickleModule:
 def save_for_deepspeed(obj, path: str) -> None:
     """``torch.save`` ``obj`` to ``path`` atomically (temporary name, fsync, rename), with the stand-ins pickled
     as DeepSpeed's classes."""
-    directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
-    buffer = io.BytesIO()
-    torch.save(obj, buffer, pickle_module=_PickleModule, pickle_protocol=2)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_dir(directory)
+    atomic_write(path, lambda f: torch.save(obj, f, pickle_module=_PickleModule, pickle_protocol=2))

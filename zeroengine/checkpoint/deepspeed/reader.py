@@ -153,19 +153,32 @@ class DeepSpeedManifest(Manifest):
         return self._found.model_states[part][0]
 
     def _stage0_names(self, part: int) -> list[str]:
-        """Stage 0 names the optimizer's parameters by position only: the module's parameters in order (buffers
-        and second names of tied weights left out), a pipeline stage taking the next ones after the stages
-        before it."""
-        names = _parameter_names(self._module(), self._buffer_names())
-        counts = [sum(len(g["params"]) for g in _stage0_optimizer(self._models[p], self._path(p))["param_groups"])
-                  for p in self._found.parts]
+        """Stage 0 names the optimizer's parameters by position only (torch numbers them group after group). They
+        are the module's parameters (buffers, second names of tied weights and listed frozen ones left out; a
+        pipeline stage takes the next ones after the stages before it), each group's in the module's order; with
+        several groups, which parameter is in which group is found from the shapes of its state, and must be
+        the only assignment that fits."""
+        # (frozen_param_shapes: DeepSpeed leaves it None at stage 0; ze_to_deepspeed lists the frozen ones there)
+        frozen = {n for model in self._models.values() for n in (model.get("frozen_param_shapes") or {})}
+        names = _parameter_names(self._module(), self._buffer_names() | frozen)
+        optimizers = [_stage0_optimizer(self._models[p], self._path(p)) for p in self._found.parts]
+        counts = [sum(len(g["params"]) for g in o["param_groups"]) for o in optimizers]
         if sum(counts) != len(names):
             raise CheckpointError(f"{self._path(part)}: a stage-0 DeepSpeed checkpoint names no parameters in its "
                                   f"optimizer state (it holds {sum(counts)} by position) and the module has "
                                   f"{len(names)} parameters, so which is which is unknown (frozen parameters?); load "
                                   "it with load_optimizer_states=False, or consolidate it with zero_to_fp32")
-        first = sum(counts[:self._found.parts.index(part)])
-        return names[first:first + counts[self._found.parts.index(part)]]
+        index = self._found.parts.index(part)
+        mine = names[sum(counts[:index]):sum(counts[:index]) + counts[index]]
+        groups = optimizers[index]["param_groups"]
+        if len(groups) == 1:
+            return mine
+        wrapper = self._models[part]["optimizer"] or {}
+        slots = [[_stage0_slot_shape(optimizers[index], wrapper, g, position, i, self._path(part))
+                  for position, i in enumerate(group["params"])] for g, group in enumerate(groups)]
+        module = self._module()
+        split = _split_by_shapes(mine, {n: list(module[n].shape) for n in mine}, slots, self._path(part))
+        return [name for group in split for name in group]
 
     def _optimizer_name(self, config: dict) -> str | None:
         configured = (config.get("optimizer") or {}).get("type")
@@ -415,6 +428,66 @@ def _stage0_optimizer(model: dict, path: str) -> dict:
     if "state" not in inner or "param_groups" not in inner:
         raise CheckpointError(f"{path}: its 'optimizer' entry is not a torch optimizer state_dict")
     return inner
+
+
+def _stage0_slot_shape(optimizer: dict, wrapper: dict, group: int, position: int, index: int, path: str) -> list:
+    """The shape of the parameter at ``position`` of param group ``group`` (torch index ``index``): its moment's,
+    or its fp32 master's in a 16-bit wrapper."""
+    moment = optimizer["state"].get(index, {}).get("exp_avg")
+    if isinstance(moment, torch.Tensor) and moment.dim() > 0:
+        return list(moment.shape)
+    masters = wrapper.get("fp32_groups")
+    if masters is not None:
+        return list(masters[group][position].shape)
+    raise CheckpointError(f"{path}: parameter {index} of param group {group} has no optimizer state, so its shape, "
+                          "and which of the module's parameters it is, is unknown; load with "
+                          "load_optimizer_states=False")
+
+
+def _split_by_shapes(names: list[str], shapes: dict, slots: list[list], path: str,
+                     limit: int = 1_000_000) -> list[list[str]]:
+    """``names`` (in order) dealt into the param groups whose parameter shapes ``slots`` lists, each group's in
+    order: the one assignment that fits, or an error when none or several do (or the search runs past
+    ``limit`` states)."""
+    # forward over the names: the ways (capped at 2) to reach each (positions in the groups), and one way there
+    layer: dict[tuple, tuple[int, tuple | None, int | None]] = {(0,) * len(slots): (1, None, None)}
+    history = []
+    for name in names:
+        following: dict[tuple, tuple[int, tuple | None, int | None]] = {}
+        for positions, (count, _, _) in layer.items():
+            for g, slot in enumerate(slots):
+                if positions[g] < len(slot) and slot[positions[g]] == shapes[name]:
+                    after = _advance(positions, g)
+                    known = following.get(after, (0, positions, g))
+                    following[after] = (min(2, known[0] + count), known[1], known[2])
+        if sum(len(s) for s in history) + len(following) > limit:
+            raise CheckpointError(f"{path}: too many ways to match the module's parameters to the stage-0 "
+                                  "optimizer's param groups by shape; load with load_optimizer_states=False")
+        history.append(layer)
+        layer = following
+    end = tuple(len(slot) for slot in slots)
+    count = layer.get(end, (0, None, None))[0]
+    if count != 1:
+        why = "no assignment fits" if count == 0 else "several assignments fit (same shapes in different groups)"
+        raise CheckpointError(f"{path}: a stage-0 DeepSpeed optimizer names its parameters by position only, and "
+                              f"matching the module's to its {len(slots)} param groups by shape fails: {why}; load "
+                              "with load_optimizer_states=False (the weights alone), or re-save at ZeRO stage 1+")
+    picks, positions = [], end
+    for back in reversed(history + [layer]):
+        _, before, g = back[positions]
+        if before is None:
+            break
+        picks.append(g)
+        positions = before
+    picks.reverse()
+    out: list[list[str]] = [[] for _ in slots]
+    for name, g in zip(names, picks):
+        out[g].append(name)
+    return out
+
+
+def _advance(positions: tuple, group: int) -> tuple:
+    return positions[:group] + (positions[group] + 1,) + positions[group + 1:]
 
 
 def _stage0_masters(wrapper: dict, shapes: dict) -> list[torch.Tensor] | None:

@@ -73,7 +73,7 @@ def write_deepspeed_checkpoint(src_dir: str, dst_dir: str, world_size: int, stag
     if stage not in (0, 1, 2, 3) or (universal and stage == 0):
         raise CheckpointError(f"ZeRO stage must be 0, 1, 2 or 3 (universal: 1-3, as DeepSpeed 0.19 restores those "
                               f"only through a ZeRO optimizer), got {stage!r}")
-    tag_dir = _source_tag_dir(src_dir, tag)
+    tag_dir = mf.find_tag_dir(src_dir, tag)
     tag = mf.check_tag(tag if tag is not None else os.path.basename(os.path.normpath(tag_dir)))
     src = _Source(tag_dir, param_order)
     if universal and any(hyper != src.hyper[0] for hyper in src.hyper):
@@ -110,16 +110,6 @@ def write_deepspeed_checkpoint(src_dir: str, dst_dir: str, world_size: int, stag
 
 
 # -- the source -----------------------------------------------------------------
-def _source_tag_dir(src_dir: str, tag: str | None) -> str:
-    if tag is None and os.path.exists(os.path.join(src_dir, mf.MANIFEST)):
-        return src_dir
-    tag_dir = mf.resolve_tag_dir(src_dir, tag)
-    if tag_dir is None:
-        raise CheckpointError(f"{src_dir} has no 'latest' file and no {mf.MANIFEST}: pass --tag, or the folder "
-                              "save_checkpoint wrote to")
-    return tag_dir
-
-
 class _Source:
     """A zeroengine checkpoint read one parameter range at a time (shard files memory-mapped, verified once)."""
 
@@ -367,7 +357,9 @@ def _model_states(src: _Source, target: _Target, module, *, stage: int, optimize
     frozen_shapes = OrderedDict((n, src.extras[n].shape) for n in src.frozen)
     state = {
         "module": module, "buffer_names": [n for n in src.extras if n not in src.frozen], "optimizer": optimizer,
-        "param_shapes": param_shapes, "frozen_param_shapes": frozen_shapes if stage >= 2 else None,
+        # (at stage 0 too, where DeepSpeed writes None and ignores it on loading: its optimizer state names
+        # parameters by position only, and the list tells a reader which of the module's are not among them)
+        "param_shapes": param_shapes, "frozen_param_shapes": frozen_shapes if stage in (0, 2, 3) else None,
         "shared_params": aliases if stage >= 1 else None,
         "frozen_param_fragments": frozen_fragments if stage >= 2 else None,
         "lr_scheduler": src.common.get("lr_scheduler"), "data_sampler": None, "random_ltd": None,
