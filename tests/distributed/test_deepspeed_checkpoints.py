@@ -224,6 +224,13 @@ def test_refusals_name_the_file(deepspeed_saves, tmp_path):
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt \(\d+ bytes\): it is "
                                               "truncated or corrupted"):
         get_fp32_state_dict_from_zero_checkpoint(tag_dir)
+    # DeepSpeed's file helpers (which Lightning's converter calls) on a zeroengine checkpoint: there are none
+    from zeroengine.integrations.ds_compat.utils import zero_to_fp32
+
+    converted = tmp_path / "converted"
+    assert from_deepspeed.main([_folder(deepspeed_saves, "2:fp32"), str(converted)]) == 0
+    with pytest.raises(CheckpointError, match="is a zeroengine checkpoint, which has no DeepSpeed rank files"):
+        zero_to_fp32.get_optim_files(str(converted / "global_step3"))
 
 
 _ALIAS_SCRIPT = """
@@ -238,13 +245,18 @@ state = get_fp32_state_dict_from_zero_checkpoint(folder)
 written = convert_zero_checkpoint_to_fp32_state_dict(folder, out_dir)  # DeepSpeed's positional order
 import ds_checkpoint_common as common  # (tests/migration is on PYTHONPATH)
 model = load_state_dict_from_zero_checkpoint(common.Net(), folder)
-torch.save({"state": state, "written": torch.load(written), "model": model.state_dict()}, model_file)
+# Lightning's helper reads DeepSpeed's files itself (get_optim_files, get_model_state_file, torch.load of them)
+from pytorch_lightning.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict as lightning_convert
+lightning = lightning_convert(folder, model_file + ".lightning")
+torch.save({"state": state, "written": torch.load(written), "model": model.state_dict(),
+            "lightning": lightning["state_dict"], "lightning_note": lightning["note"]}, model_file)
 """
 
 
 def test_zero_to_fp32_module_under_the_alias(deepspeed_saves, tmp_path):
     """``deepspeed.utils.zero_to_fp32`` as Lightning's and the HF docs' helpers import it, under
-    ZEROENGINE_AS_DEEPSPEED=1, on a DeepSpeed folder: DeepSpeed's own result."""
+    ZEROENGINE_AS_DEEPSPEED=1, on a DeepSpeed folder: DeepSpeed's own result (Lightning's converter, which
+    unpickles DeepSpeed's files itself, included)."""
     env = dict(os.environ, ZEROENGINE_AS_DEEPSPEED="1", PYTHONPATH=MIGRATION)
     case = "2:bf16"
     done = subprocess.run([sys.executable, "-c", _ALIAS_SCRIPT, _folder(deepspeed_saves, case),
@@ -252,7 +264,8 @@ def test_zero_to_fp32_module_under_the_alias(deepspeed_saves, tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     got, theirs = torch.load(tmp_path / "all.pt"), deepspeed_fp32(deepspeed_saves, case)
-    for result in ("state", "written"):
+    assert got["lightning_note"] == "from deepspeed"
+    for result in ("state", "written", "lightning"):
         assert list(got[result]) == list(theirs), result
         assert all(torch.equal(got[result][k], v) for k, v in theirs.items()), result
     assert all(torch.equal(got["model"][k], v) for k, v in theirs.items())

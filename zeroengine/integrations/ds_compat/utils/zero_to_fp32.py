@@ -4,6 +4,9 @@ DeepSpeed's (stages 0-3, universal folders) alike."""
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import re
 import sys
 
 import torch
@@ -36,6 +39,39 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
 def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
     """Load the consolidated fp32 weights into ``model`` (moved to the CPU first, as DeepSpeed does)."""
     return _checkpoint.load_state_dict_from_zero_checkpoint(model.cpu(), checkpoint_dir, tag)
+
+
+def get_optim_files(checkpoint_dir) -> list[str]:
+    """A DeepSpeed tag folder's ``*_optim_states.pt`` files in rank order (Lightning's converter reads them)."""
+    return _deepspeed_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_file(checkpoint_dir, zero_stage) -> str:
+    """A DeepSpeed tag folder's model-states file (rank 0's at stage 3)."""
+    _refuse_zeroengine_folder(checkpoint_dir)
+    name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if int(zero_stage) == 3 else "mp_rank_00_model_states.pt"
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
+def _deepspeed_files(checkpoint_dir, pattern: str) -> list[str]:
+    _refuse_zeroengine_folder(checkpoint_dir)
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, pattern)),
+                   key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)])
+    if not files:
+        raise FileNotFoundError(f"can't find {pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def _refuse_zeroengine_folder(checkpoint_dir) -> None:
+    """DeepSpeed's file helpers have nothing to list in a zeroengine checkpoint (another layout): say so."""
+    if os.path.exists(os.path.join(checkpoint_dir, "manifest.json")):
+        raise _checkpoint.CheckpointError(
+            f"{checkpoint_dir} is a zeroengine checkpoint, which has no DeepSpeed rank files: consolidate it with "
+            "get_fp32_state_dict_from_zero_checkpoint (this module's, which reads both layouts) or ze_to_fp32, "
+            "or write DeepSpeed's layout with ze_to_deepspeed")
 
 
 def main(argv=None) -> int:
