@@ -77,6 +77,9 @@ class Engine(torch.nn.Module):
         self.autotp = None  # what tensor_parallel (AutoTP) split: a zeroengine.tensor_parallel.autotp.AutoTPResult
         self._destroyed = False
         self._compiled = False
+        # the loader initialize(training_data=...) returned: its position is part of every checkpoint
+        self.training_dataloader = None
+        self._watch_data_resume = False  # until the first forward after a load: see _check_data_resume
         if self.global_rank == 0:
             self._log.info(_clipping_line(config))
 
@@ -208,6 +211,8 @@ class Engine(torch.nn.Module):
     # -- the loop -------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._refuse_if_destroyed("forward")
+        if self._watch_data_resume:
+            self._check_data_resume()
         self._time("forward", start=True)
         args = tuple(self.policy.cast_input(a) for a in args)
         kwargs = {k: self.policy.cast_input(v) for k, v in kwargs.items()}
@@ -372,11 +377,21 @@ class Engine(torch.nn.Module):
                                      load_module_only=load_module_only,
                                      strict=load_module_strict and custom_load_fn is None,
                                      report_unmatched=custom_load_fn is None)
+            self._watch_data_resume = loaded[0] is not None and self.training_dataloader is not None
             if custom_load_fn is not None and loaded[0] is not None:
                 self._load_with(custom_load_fn, get_fp32_state_dict_from_zero_checkpoint(loaded[0]))
             return loaded
         finally:
             self._restart_monitor_window()
+
+    def _check_data_resume(self) -> None:
+        """At the first forward after a load: warn (once, rank 0) when the script seems to skip, itself, the
+        batches the resumed loader skipped already (zeroengine.data.TrainingDataLoader.skipped_twice_warning)."""
+        self._watch_data_resume = False
+        warning = getattr(self.training_dataloader, "skipped_twice_warning", lambda _: None)(
+            self.gradient_accumulation_steps())
+        if warning and self.global_rank == 0:
+            self._log.warning(warning)
 
     def _load_with(self, custom_load_fn, state_dict: dict) -> None:
         """``custom_load_fn(src=state_dict, dst=self.module)`` with the parameters whole; rank 0's result is kept

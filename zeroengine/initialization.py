@@ -182,8 +182,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # every rank of a sequence group reads its own samples (UlyssesSPDataLoaderAdapter shares them out)
         loader = build_dataloader(training_data, cfg.train_micro_batch_size_per_gpu, collate_fn=collate_fn,
                                   rank=mesh.zero_rank, world_size=mesh.zero_size, drop_last=cfg.dataloader_drop_last)
-        if isinstance(engine, PipelineEngine):
-            engine.training_dataloader = loader
+        engine.training_dataloader = loader  # (its position goes into every checkpoint; a pipeline reads it too)
     return engine, zero_optimizer, loader, scheduler
 
 

@@ -138,6 +138,13 @@ class _Plan:
             raise CheckpointError(f"{self.tag_dir}: the manifest does not list {mf.COMMON}")
         self.files = {mf.COMMON: self.manifest.open(mf.COMMON)}
         self.common = self.files[mf.COMMON]
+        loader = getattr(engine, "training_dataloader", None)
+        if self.common.get("data_loader") is not None and hasattr(loader, "check_state") \
+                and engine.config.checkpoint.resume_data_position:
+            try:
+                loader.check_state(self.common["data_loader"])
+            except ValueError as err:
+                raise CheckpointError(f"checkpoint {self.tag_dir}: {err}") from None
         # buffers and frozen parameters: rank 0's in common.pt, later pipeline stages' in their shard files
         self.extras = dict(self.common["module_extras"])
         for file, info in self.manifest.data["files"].items():
@@ -443,6 +450,10 @@ def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler
         for index, values in zip(group_order, common["param_groups"]):
             if index is not None:
                 groups[index].update(values)
+    loader = getattr(engine, "training_dataloader", None)
+    if common.get("data_loader") is not None and hasattr(loader, "load_state_dict") \
+            and engine.config.checkpoint.resume_data_position:
+        loader.load_state_dict(common["data_loader"])  # the next pass continues where the saved one stopped
     scaler = engine.optimizer.loss_scaler
     if scaler is not None and common["loss_scaler"] is not None:
         scaler.load_state_dict(common["loss_scaler"])

@@ -185,7 +185,9 @@ def _training_state(engine) -> dict:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     scheduler = engine.lr_scheduler
     scaler = engine.optimizer.loss_scaler
+    loader = getattr(engine, "training_dataloader", None)
     state = numbers_as_python({
+        "data_loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
         "param_groups": groups,
         "lr_scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict")
         else None,

@@ -37,6 +37,7 @@ from .commands import (
 from .hostfile import parse_layout, read_hostfile, world_layout
 from .local import NodePlan, plan_from_layout, plan_uniform, rank_commands
 from .rank_env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+from .restarts import run_with_restarts
 from .supervisor import supervise
 
 LAUNCHERS = ("local", "ssh", "pdsh", "slurm")
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grace_period", type=float, default=DEFAULT_GRACE_PERIOD, metavar="SECONDS",
                      help="after a failure or a signal, how long the other ranks get "
                           "to exit before SIGKILL (default %(default)s)")
+    run.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="N",
+                     help="when a rank fails, stop every rank and start the job again, up to N times (torchrun's "
+                          "flag; ranks see ZEROENGINE_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT and resume from "
+                          "their checkpoint); one node's launch only")
     run.add_argument("--as_deepspeed", action="store_true",
                      help="run the script with ZEROENGINE_AS_DEEPSPEED=1: its 'import deepspeed' (and "
                           "transformers' and accelerate's) gets zeroengine (docs/integrations.md)")
@@ -151,6 +156,8 @@ def _check_args(args) -> None:
         raise UsageError(f"--master_port {args.master_port} is not a valid TCP port")
     if args.grace_period < 0:
         raise UsageError("--grace_period must be >= 0")
+    if args.max_restarts < 0:
+        raise UsageError("--max_restarts must be >= 0")
     if args.module and args.no_python:
         raise UsageError("--module and --no_python are mutually exclusive")
     if args.module:
@@ -381,8 +388,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if isinstance(what, NodePlan):
         if what.node_rank == 0:
             _announce_mesh(args.script_args, what.world_size)
-        return supervise(commands, noun="ranks", grace_period=args.grace_period,
-                         watch_stdin=args.watch_stdin)
+        if args.max_restarts and what.num_nodes > 1:
+            print("zeroengine: error: --max_restarts restarts one node's launch; a job of several nodes cannot be "
+                  "restarted by one node's launcher yet (restart it from the top)", file=sys.stderr)
+            return 2
+
+        def commands_for(restart: int) -> List[LaunchCommand]:  # a new port: the old store may linger
+            return rank_commands(replace(what, master_port=what.master_port + restart), job, os.environ)
+
+        # (with no restarts too: ranks always see the attempt, 0, as under torchrun)
+        return run_with_restarts(commands_for, args.max_restarts, noun="ranks", grace_period=args.grace_period,
+                                 watch_stdin=args.watch_stdin)
+    if args.max_restarts:
+        print("zeroengine: error: --max_restarts restarts one node's launch; with a hostfile of several nodes it "
+              "is not supported yet (restart the job from the top)", file=sys.stderr)
+        return 2
     for command in commands:
         print(f"zeroengine: starting {command.name}: {shlex.join(command.argv)}",
               file=sys.stderr, flush=True)

@@ -90,6 +90,10 @@ class Supervisor:
         self.procs: List[subprocess.Popen] = []
         self._signals: List[int] = []
         self._reported: List[tuple] = []  # (command, code) from failure markers, appended by reader threads
+        # how the job ended, for a caller that may start it again (restarts.py): the name of the command that
+        # failed first, and whether the job was stopped from outside (a signal, a closed launcher link)
+        self.failed: Optional[str] = None
+        self.stopped_by_user = False
 
     # --- public ---------------------------------------------------------------
 
@@ -165,22 +169,26 @@ class Supervisor:
             if self._signals:
                 signum = self._signals[0]
                 self._say(f"received {_signal_name(signum)}; stopping all {self.noun}")
+                self.stopped_by_user = True
                 self._stop(signum)
                 return 128 + signum
             if self.watch_stdin and self._stdin_closed():
                 self._say(f"stdin closed (the launching node went away); "
                           f"stopping all {self.noun}")
+                self.stopped_by_user = True
                 self._stop(signal.SIGTERM)
                 return 128 + signal.SIGHUP
             if self._reported:
                 command, code, line = self._reported[0]
                 self._say(f"{command.name} reported a failure ({line}); stopping all {self.noun}")
+                self.failed = command.name
                 self._stop(signal.SIGTERM)
                 return exit_code_of(code)
             for command, proc in zip(self.commands, self.procs):
                 code = proc.poll()
                 if code is not None and code != 0:
                     self._report_failure(command, proc, code)
+                    self.failed = command.name
                     self._stop(signal.SIGTERM)
                     return exit_code_of(code)
             if all(proc.returncode == 0 for proc in self.procs):

@@ -22,6 +22,11 @@ class CheckpointConfig(ConfigModel):
     tag_validation: TagValidation = Field(
         "Warn", description="What to do when ranks save under different tags: 'Ignore', 'Warn' or 'Fail' "
                             "(any capitalisation).")
+    resume_data_position: bool = Field(
+        True, description="load_checkpoint continues the loader initialize(training_data=...) returned where the "
+                          "checkpoint stopped (its epoch and the samples already handed out), so a resumed run "
+                          "trains what an uninterrupted one does. False: the loader starts its epoch over, as "
+                          "DeepSpeed's does (for a script that skips consumed batches itself).")
     load_universal: bool = Field(False, description="Accepted for DeepSpeed compatibility: every zeroengine "
                                                     "checkpoint is already universal (any world, any stage).")
 
