@@ -40,6 +40,21 @@ def join_world(rank: int, world: int, port: int):
     return deepspeed
 
 
+def leave_world() -> None:
+    """The end of a DeepSpeed-side rank: once every rank is done, exit at once. The interpreter's normal exit
+    tears gloo down in C++ destructors that now and then abort ("terminate called without an active exception")
+    or wait out a peer's timeout; os._exit skips them (results are written and flushed before)."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def param_groups(model: Net) -> list[dict]:
     """Two groups, decay and no-decay (the usual split): the checkpoint must keep each group's settings and
     state, and a stage-0 file, which names parameters by position only, must be read group by group."""

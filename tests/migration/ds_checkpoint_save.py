@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, port: int, root: str, cases: list) -> None:
                 os.makedirs(os.path.join(root, "fp32"), exist_ok=True)
                 torch.save({k: v.clone() for k, v in state.items()},
                            os.path.join(root, "fp32", os.path.basename(folder) + ".pt"))
-    torch.distributed.destroy_process_group()
+    common.leave_world()
 
 
 if __name__ == "__main__":

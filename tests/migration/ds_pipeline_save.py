@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, root: str, zero_stages: list) -> Non
         if rank == 0:
             with open(folder + ".json", "w") as f:
                 json.dump(record, f)
-    torch.distributed.destroy_process_group()
+    common.leave_world()
 
 
 if __name__ == "__main__":

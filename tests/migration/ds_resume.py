@@ -133,7 +133,11 @@ def _worker(rank: int, spec: dict, out: str) -> None:
     if rank == 0:
         torch.save(results, out)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()  # else gloo may abort at exit
+    # Exit at once: the interpreter's normal exit tears gloo down in C++ destructors that now and then abort
+    # ("terminate called without an active exception") or wait out a peer's timeout (results are saved above).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(spec_path: str, out: str) -> None:
