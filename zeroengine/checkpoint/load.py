@@ -138,9 +138,8 @@ class _Plan:
             raise CheckpointError(f"{self.tag_dir}: the manifest does not list {mf.COMMON}")
         self.files = {mf.COMMON: self.manifest.open(mf.COMMON)}
         self.common = self.files[mf.COMMON]
-        loader = getattr(engine, "training_dataloader", None)
-        if self.common.get("data_loader") is not None and hasattr(loader, "check_state") \
-                and engine.config.checkpoint.resume_data_position:
+        loader = _loader_to_resume(engine, self.common)
+        if loader is not None:
             try:
                 loader.check_state(self.common["data_loader"])
             except ValueError as err:
@@ -437,6 +436,16 @@ def _load_module_extras(engine, extras: dict, strict: bool = True) -> None:
             target.data.copy_(value)
 
 
+def _loader_to_resume(engine, common: dict):
+    """The engine's training loader when the checkpoint holds its position and the config resumes it (checked
+    while planning, loaded with the training state), else None."""
+    loader = getattr(engine, "training_dataloader", None)
+    if common.get("data_loader") is None or not hasattr(loader, "load_state_dict") \
+            or not engine.config.checkpoint.resume_data_position:
+        return None
+    return loader
+
+
 def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler_states: bool,
                          group_order: list[int]) -> None:
     counters = common["counters"]
@@ -450,9 +459,8 @@ def _load_training_state(engine, common: dict, optimizer_states: bool, scheduler
         for index, values in zip(group_order, common["param_groups"]):
             if index is not None:
                 groups[index].update(values)
-    loader = getattr(engine, "training_dataloader", None)
-    if common.get("data_loader") is not None and hasattr(loader, "load_state_dict") \
-            and engine.config.checkpoint.resume_data_position:
+    loader = _loader_to_resume(engine, common)
+    if loader is not None:
         loader.load_state_dict(common["data_loader"])  # the next pass continues where the saved one stopped
     scaler = engine.optimizer.loss_scaler
     if scaler is not None and common["loss_scaler"] is not None:

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from zeroengine import checkpoint as _checkpoint
+from zeroengine.checkpoint.manifest import MANIFEST
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False,
@@ -67,7 +68,7 @@ def _deepspeed_files(checkpoint_dir, pattern: str) -> list[str]:
 
 def _refuse_zeroengine_folder(checkpoint_dir) -> None:
     """DeepSpeed's file helpers have nothing to list in a zeroengine checkpoint (another layout): say so."""
-    if os.path.exists(os.path.join(checkpoint_dir, "manifest.json")):
+    if os.path.exists(os.path.join(checkpoint_dir, MANIFEST)):
         raise _checkpoint.CheckpointError(
             f"{checkpoint_dir} is a zeroengine checkpoint, which has no DeepSpeed rank files: consolidate it with "
             "get_fp32_state_dict_from_zero_checkpoint (this module's, which reads both layouts) or ze_to_fp32, "
