@@ -80,6 +80,8 @@ class Engine(torch.nn.Module):
         # the loader initialize(training_data=...) returned: its position is part of every checkpoint
         self.training_dataloader = None
         self._watch_data_resume = False  # until the first forward after a load: see _check_data_resume
+        self._background_saves = None  # zeroengine.checkpoint.background.BackgroundSaver, on the first async save
+        self.stateful_objects: dict = {}  # register_stateful's: saved per rank with every checkpoint
         if self.global_rank == 0:
             self._log.info(_clipping_line(config))
 
@@ -316,6 +318,7 @@ class Engine(torch.nn.Module):
         parameters stay partitioned (take full values with ``GatheredParameters`` first if you need them)."""
         if self._destroyed:
             return
+        self.wait_for_checkpoint()
         self.optimizer.zero_grad()
         self.optimizer.remove_hooks()
         if self.monitor is not None:
@@ -330,22 +333,56 @@ class Engine(torch.nn.Module):
         """Bytes held by this rank: by kind (params, grads, ...) and by place (cpu, device)."""
         tally = self.optimizer.memory_tally()
         tally.add("buffers", comm_scratch.tensors())  # gloo's collective temporaries, kept for reuse
+        if self._background_saves is not None:  # async_save's host snapshot, kept for the next save
+            tally.add("buffers", self._background_saves.buffers.tensors())
         return tally.as_dict()
 
     # -- checkpoints (zeroengine.checkpoint) ----------------------------------
     def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> str:
+                        exclude_frozen_parameters: bool = False, async_save: bool | None = None) -> str:
         """Save everything needed to resume (collective: every rank calls it). Returns the tag directory.
 
         ``exclude_frozen_parameters`` leaves out parameters that do not require grad (a frozen base model
-        under adapters); load such a checkpoint with ``load_module_strict=False``."""
-        from zeroengine.checkpoint import save_checkpoint
+        under adapters); load such a checkpoint with ``load_module_strict=False``.
 
+        ``async_save`` (default: the config's ``checkpoint.async_save``): snapshot the state to host memory and
+        write it in the background while training goes on; the tag directory is there (and ``latest`` names it)
+        once every rank's files are on disk. A save in flight is waited for by the next save, a load,
+        :meth:`wait_for_checkpoint` and :meth:`destroy` (zeroengine.checkpoint.background)."""
+        from zeroengine.checkpoint.save import prepare_save, write_and_commit
+
+        self.wait_for_checkpoint()
+        if async_save is None:
+            async_save = self.config.checkpoint.async_save
         try:
-            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                   exclude_frozen_parameters=exclude_frozen_parameters)
+            job = prepare_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            if not async_save:
+                return write_and_commit(job)
+            if self._background_saves is None:
+                from zeroengine.checkpoint.background import BackgroundSaver
+
+                self._background_saves = BackgroundSaver()
+            return self._background_saves.start(job)
         finally:
             self._restart_monitor_window()
+
+    def register_stateful(self, name: str, obj) -> None:
+        """Save ``obj.state_dict()`` (this rank's) with every checkpoint, and load it back into ``obj`` in
+        ``load_checkpoint``: the script's own stateful data loader (torchdata's ``StatefulDataLoader``), sampler
+        or reader. Restored at the world size of the save only (zeroengine.checkpoint.stateful)."""
+        from zeroengine.checkpoint.stateful import is_stateful
+
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"register_stateful: name must be a non-empty str, got {name!r}")
+        if not is_stateful(obj):
+            raise TypeError(f"register_stateful({name!r}, ...): a {type(obj).__name__} has no state_dict() and "
+                            "load_state_dict() methods")
+        self.stateful_objects[name] = obj
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the asynchronous save in flight (if any) is committed; raise its error if it failed."""
+        if self._background_saves is not None:
+            self._background_saves.wait()
 
     def load_checkpoint(self, load_dir: str, tag=None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -370,6 +407,7 @@ class Engine(torch.nn.Module):
         ``load_module_strict`` does not apply."""
         from zeroengine.checkpoint import get_fp32_state_dict_from_zero_checkpoint, load_checkpoint
 
+        self.wait_for_checkpoint()  # a save in flight may be the one to load
         self.optimizer.discard_delayed_update()  # the load writes masters, optimizer state and weights alike
         try:
             loaded = load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,

@@ -289,14 +289,14 @@ def stall_after_writing(rank, world, save_dir):
     os.environ["ZEROENGINE_HANDSHAKE_TIMEOUT"] = "3"
     engine = _engine(world)
     if rank == 1:  # enters the save with rank 0, writes its shard, then stalls (as if hung or dying)
-        real = save_module._write_shard
+        real = save_module.save_tensors
 
         def write_then_stall(*args):
             files = real(*args)
             time.sleep(6)
             return files
 
-        save_module._write_shard = write_then_stall
+        save_module.save_tensors = write_then_stall
     message = ""
     try:
         engine.save_checkpoint(save_dir, tag="t")

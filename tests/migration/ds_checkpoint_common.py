@@ -37,7 +37,15 @@ def join_world(rank: int, world: int, port: int):
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    skip_shared_memory_op(deepspeed)
     return deepspeed
+
+
+def skip_shared_memory_op(deepspeed) -> None:
+    """Keep DeepSpeed's CPU backend on plain gloo collectives: otherwise its first process group JIT-compiles
+    its shared-memory all-reduce (deepspeed_shm_comm, ~40 s on 2 cores, again for every checkout path since the
+    build records its include paths), which these tests do not need."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def leave_world() -> None:

@@ -122,8 +122,10 @@ def _worker(rank: int, spec: dict, out: str) -> None:
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    from ds_checkpoint_common import skip_shared_memory_op
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    skip_shared_memory_op(deepspeed)
     # DeepSpeed's CPU accelerator refuses fp16, which torch runs on CPU: let it train to test the fp16 layout
     accelerator = get_accelerator()
     accelerator.is_fp16_supported = lambda: True

@@ -194,7 +194,7 @@ def test_master_address_of_an_ssh_alias_comes_from_the_host(capsys, script, tmp_
     answer = (0, "10.1.2.3 fd00::5 \n")
     what, job = cli.plan(cli.build_parser().parse_args(["-H", str(hostfile), script]))
     assert job.master_addr == "10.1.2.3" and asked[0][-2:] == ["gpu-box-alias", "hostname -I"]
-    assert all("--master_addr 10.1.2.3" in " ".join(c.argv) for c in what)
+    assert all("--master_addr 10.1.2.3" in " ".join(c.argv) for c in what.commands())
     answer = (255, "")  # the host is not reachable either
     check_usage_error(capsys, "-H", hostfile, script,
                       message="the first host, gpu-box-alias, is where the ranks meet (MASTER_ADDR), but its "

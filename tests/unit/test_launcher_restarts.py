@@ -68,3 +68,54 @@ def test_restarts_are_bounded_and_the_last_code_is_the_jobs(capsys, job):
 def test_a_negative_count_is_a_usage_error(capsys, job):
     code, err = _run(capsys, job, "", "--max_restarts", "-1")
     assert code == 2 and "--max_restarts must be >= 0" in err
+
+
+# -- a job of several nodes: the nodes that cannot be reached are left out (node_restarts.py) ------------------
+
+def _remote_launch():
+    from zeroengine.launcher.commands import JobSpec
+    from zeroengine.launcher.node_restarts import RemoteLaunch
+
+    job = JobSpec(script="train.py", master_addr="node-a", master_port=29500, cwd="/work", python="python")
+    return RemoteLaunch({"node-a": [0, 1], "node-b": [0, 1], "node-c": [0, 1]}, "ssh", job)
+
+
+def _restarts(down, min_nodes, log):
+    from zeroengine.launcher.node_restarts import NodeRestarts
+
+    return NodeRestarts(_remote_launch(), min_nodes, master_given=False, master_of=lambda host: f"addr-of-{host}",
+                        probe=lambda host: host not in down, log=log)
+
+
+def test_a_restart_leaves_out_the_nodes_that_do_not_answer(tmp_path):
+    log = (tmp_path / "log").open("w+")
+    restarts = _restarts({"node-a"}, 2, log)
+    assert restarts.before_restart(1) is None
+    commands = restarts.commands_for(1)
+    assert [c.name for c in commands] == ["node 0 (node-b)", "node 1 (node-c)"]
+    remote = commands[0].argv[-1]
+    assert "--world_layout node-b:0,1@node-c:0,1" in remote and "--master_port 29501" in remote
+    assert "--master_addr addr-of-node-b" in remote  # the rendezvous moves off the lost first node
+    assert "export ZEROENGINE_RESTART_COUNT=1" in remote and "TORCHELASTIC_RESTART_COUNT=1" in remote
+    log.seek(0)
+    assert "node(s) node-a cannot be reached: left out; restart 1 runs on 2 node(s), 4 rank(s)" in log.read()
+
+
+def test_every_node_answering_keeps_the_job_whole_and_too_few_gives_up(tmp_path):
+    log = (tmp_path / "log").open("w")
+    restarts = _restarts(set(), None, log)
+    assert restarts.before_restart(1) is None and len(restarts.commands_for(1)) == 3
+    assert "--master_addr node-a" in restarts.commands_for(1)[0].argv[-1]
+    by_default = _restarts({"node-c"}, None, log)  # no --min_nodes: every node must answer
+    assert by_default.before_restart(1) == ("node(s) node-c cannot be reached (ssh node-c true failed); 2 node(s) "
+                                            "left, fewer than --min_nodes 3")
+
+
+def test_min_nodes_is_checked(capsys, job, tmp_path):
+    code, err = _run(capsys, job, "", "--min_nodes", "0")
+    assert code == 2 and "--min_nodes must be >= 1, got 0" in err
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    folder, script = job
+    code = main(["--hostfile", str(hostfile), "--master_addr", "10.0.0.1", "--min_nodes", "3", "--dry_run", script])
+    assert code == 2 and "--min_nodes 3 is more than the job's 2 node(s)" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from zeroengine.zero.optimizer import reduced_elsewhere
 from zeroengine.zero.param_guard import full_shape
 
 from . import manifest as mf
+from . import stateful
 from . import tensor_split as ts
 from .agreement import exchange, raise_failures
 from .files import CheckpointError
@@ -80,9 +81,16 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     common = plan.common
     plan.apply_pieces(optimizer_states)
     _load_module_extras(engine, plan.module_values, strict)
+    client_state = dict(common["client_state"])
     if not load_module_only:
         _load_training_state(engine, common, optimizer_states, load_lr_scheduler_states, plan.group_order)
         plan.restore_rng()
+        own = plan.files.get(mf.shard_file(rank))
+        unrestored = stateful.restore(own.get("stateful") if isinstance(own, dict) else None,
+                                      getattr(engine, "stateful_objects", {}), client_state,
+                                      plan.manifest.data["world_size"], comm.get_world_size())
+        if unrestored and rank == 0:
+            get_logger().warning(f"load_checkpoint: not restored: {'; '.join(unrestored)}")
     if rank == 0:
         which = "DeepSpeed checkpoint" if plan.manifest.data["format"] == "deepspeed" else "checkpoint"
         get_logger().info(f"loaded {which} {plan.tag_dir} (written by {plan.manifest.data['world_size']} "
@@ -90,7 +98,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         if not strict and report_unmatched and (plan.missing or nobody):
             get_logger().warning(f"load_module_strict=False: {_some(plan.missing)} kept this model's values (not in "
                                  f"the checkpoint); {_some(nobody)} of the checkpoint skipped (not in this model)")
-    return plan.tag_dir, common["client_state"]
+    return plan.tag_dir, client_state
 
 
 def _some(names: list[str]) -> str:

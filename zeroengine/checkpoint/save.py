@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,28 @@ from .state import (
     parameter_places,
     stored_shape,
 )
+from .stateful import registered_states, split_client_state
+
+
+@dataclass
+class SaveJob:
+    """One rank's part of a save once its collective part is done: the payloads it writes (tensors still the
+    live ones; an asynchronous save replaces them by a host snapshot) and what rank 0 commits. Writing and
+    committing (:func:`write_and_commit`) only meet through the store, so they may run in a background thread."""
+    save_dir: str
+    tag: str
+    staging: str
+    rank: int
+    shard: dict  # shard_<rank>.pt's payload
+    shard_index: dict  # its entry in the manifest's file table, less the checksum
+    common: dict | None  # rank 0: common.pt's payload
+    params: dict
+    order: list
+    manifest_fields: dict  # what the manifest says about the run (world size, stage, ...), frozen parameters
+    save_latest: bool
+
+    def payloads(self) -> list[dict]:
+        return [self.shard] + ([self.common] if self.common is not None else [])
 
 
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
@@ -51,11 +74,20 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     ``exclude_frozen_parameters`` (DeepSpeed's; adapters over a frozen base model) leaves out parameters that
     do not require grad; loading such a checkpoint takes ``load_module_strict=False``, which keeps the loading
     model's own values for them. The manifest names them either way (``frozen_params``)."""
+    return write_and_commit(prepare_save(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters))
+
+
+def prepare_save(engine, save_dir: str, tag, client_state, save_latest: bool,
+                 exclude_frozen_parameters: bool) -> SaveJob:
+    """The collective part of a save (steps 1 and what needs the engine): agree on the tag, land offload's
+    delayed update, gather what the optimizer does not hold, and collect this rank's payloads."""
     rank = comm.get_rank()
     tag = mf.check_tag(f"global_step{engine.global_steps}" if tag is None else tag)
-    problem, training_state = None, None
+    problem, training_state, rank_states = None, None, {}
     try:
-        check_plain(client_state if client_state is not None else {})
+        client_state, client_states = split_client_state(client_state)
+        rank_states = {"client_state": client_states,
+                       "registered": registered_states(getattr(engine, "stateful_objects", {}))}
         training_state = _training_state(engine)
     except CheckpointError as err:
         problem = str(err)
@@ -66,19 +98,30 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     # so what is saved is every update applied, and resuming equals going on
     engine.optimizer.land_delayed_update()
     staging = mf.staging_dir(save_dir, tag) + "-" + arrival[0]["nonce"]
-
-    report = {"files": {}, "params": {}, "error": None}
     # collective under stage 3: before any rank can fail alone
     module_extras, frozen = _module_extras(engine, exclude_frozen_parameters)
+    shard, shard_index = _shard_payload(engine, rank, module_extras if rank != 0 else None)
+    if any(rank_states.values()):
+        shard["stateful"] = rank_states  # the script's own objects, this rank's (zeroengine.checkpoint.stateful)
+    return SaveJob(
+        save_dir=save_dir, tag=tag, staging=staging, rank=rank, shard=shard, shard_index=shard_index,
+        common=_common_state(engine, training_state, module_extras, client_state) if rank == 0 else None,
+        params=_param_table(engine), order=_parameter_order(engine),
+        manifest_fields=_manifest_fields(engine, frozen, exclude_frozen_parameters), save_latest=save_latest)
+
+
+def write_and_commit(job: SaveJob) -> str:
+    """Steps 2-4: write this rank's files into the staging directory, report, and (rank 0, when every rank
+    wrote) commit. Every rank learns the outcome; a failure leaves ``latest`` and the previous tags as they
+    were. Returns the tag directory."""
+    rank, tag = job.rank, job.tag
+    report = {"files": {}, "params": job.params, "order": job.order, "error": None}
     try:
-        os.makedirs(staging, exist_ok=True)
-        report["files"].update(_write_shard(engine, staging, rank, module_extras if rank != 0 else None))
-        report["params"] = _param_table(engine)
-        report["order"] = _parameter_order(engine)
-        if rank == 0:
-            report["files"][mf.COMMON] = save_tensors(_common_state(engine, training_state, module_extras,
-                                                                    client_state),
-                                                      os.path.join(staging, mf.COMMON))
+        os.makedirs(job.staging, exist_ok=True)
+        name = mf.shard_file(rank)
+        report["files"][name] = {**save_tensors(job.shard, os.path.join(job.staging, name)), **job.shard_index}
+        if job.common is not None:
+            report["files"][mf.COMMON] = save_tensors(job.common, os.path.join(job.staging, mf.COMMON))
     except Exception as err:  # noqa: BLE001 - reported to every rank, then re-raised below
         report["error"] = f"{type(err).__name__}: {err}"
     # Only rank 0 commits, so only it reads the file and parameter tables; every rank learns of failures.
@@ -90,18 +133,17 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_lat
     if rank == 0:
         try:
             if failed:
-                shutil.rmtree(staging, ignore_errors=True)
+                shutil.rmtree(job.staging, ignore_errors=True)
             else:
-                _commit(engine, save_dir, tag, staging, reports, save_latest,
-                        {"frozen_params": frozen, "frozen_params_excluded": bool(exclude_frozen_parameters)})
+                _commit(job, reports)
         except Exception as err:  # noqa: BLE001
             outcome["error"] = f"{type(err).__name__}: {err}"
     outcome = _exchange("save_checkpoint/commit", outcome if rank == 0 else {"error": None}, first=False)[0]
     raise_failures(failed, f"checkpoint {tag!r} was not saved (latest still names the previous one); writing failed")
     if outcome["error"]:
-        shutil.rmtree(staging, ignore_errors=True)  # every rank: on an unshared save_dir each has its own
+        shutil.rmtree(job.staging, ignore_errors=True)  # every rank: on an unshared save_dir each has its own
         raise CheckpointError(f"checkpoint {tag!r} was not committed by rank 0: {outcome['error']}")
-    tag_dir = os.path.join(save_dir, tag)
+    tag_dir = os.path.join(job.save_dir, tag)
     if rank == 0:
         get_logger().info(f"saved checkpoint {tag_dir}")
     return tag_dir
@@ -129,9 +171,10 @@ def _agreed_tag(engine, arrival: list[dict]) -> str:
     return arrival[0]["tag"]
 
 
-def _write_shard(engine, staging: str, rank: int, module_extras: dict | None = None) -> dict:
+def _shard_payload(engine, rank: int, module_extras: dict | None = None) -> tuple[dict, dict]:
     """This rank's slices: every piece it owns (stage 0: one replica writes), with its optimizer state; and
-    a later pipeline stage's buffers and frozen parameters (``module_extras``; rank 0's go in common.pt)."""
+    a later pipeline stage's buffers and frozen parameters (``module_extras``; rank 0's go in common.pt).
+    Returns the payload and its entry in the manifest's file table (less what writing it adds)."""
     places = parameter_places(engine.module)
     state = engine.optimizer.state
     entries, index = [], []
@@ -149,12 +192,10 @@ def _write_shard(engine, staging: str, rank: int, module_extras: dict | None = N
         entries.append({"value": value.float() if value.dtype != torch.float32 else value, "state": opt_state})
         place = places[id(piece.param)]
         index.append([place.name, place.offset + piece.start, place.offset + piece.end])
-    name = mf.shard_file(rank)
     payload = {"rank": rank, "rng": capture_rng(), "entries": entries}
     if module_extras:
         payload["module_extras"] = module_extras
-    info = save_tensors(payload, os.path.join(staging, name))
-    return {name: {**info, "rank": rank, "entries": index, "module_extras": bool(module_extras)}}
+    return payload, {"rank": rank, "entries": index, "module_extras": bool(module_extras)}
 
 
 def _module_extras(engine, exclude_frozen: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -235,8 +276,19 @@ def _parameter_order(engine) -> list[str]:
     return [name for name in dict.fromkeys(places[id(p)].name for p in engine.module.parameters()) if name in held]
 
 
-def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], save_latest: bool,
-            frozen: dict) -> None:
+def _manifest_fields(engine, frozen: list[str], exclude_frozen: bool) -> dict:
+    """What the manifest says about the run, read from the engine when the save is called."""
+    return {
+        "world_size": comm.get_world_size(), "zero_stage": engine.zero_stage,
+        "dtype": str(engine.policy.param_dtype).replace("torch.", ""),
+        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "aliases": parameter_aliases(engine.module, parameter_names(engine.module)),
+        "frozen_params": frozen, "frozen_params_excluded": bool(exclude_frozen),
+    }
+
+
+def _commit(job: SaveJob, reports: list[dict]) -> None:
+    save_dir, tag, staging = job.save_dir, job.tag, job.staging
     files, params = {}, {}
     for rank, report in enumerate(reports):
         files.update(report["files"])
@@ -251,13 +303,9 @@ def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], 
             known = params.setdefault(name, info)
             if known["group"] is None:
                 known["group"] = info["group"]
-    names = parameter_names(engine.module)
     data = {
-        "format": mf.FORMAT, "version": mf.VERSION, "tag": tag, "created": time.time(),
-        "world_size": comm.get_world_size(), "zero_stage": engine.zero_stage,
-        "dtype": str(engine.policy.param_dtype).replace("torch.", ""),
-        "optimizer": type(engine.optimizer.optimizer).__name__,
-        "params": params, "aliases": parameter_aliases(engine.module, names), "files": files, **frozen,
+        "format": mf.FORMAT, "version": mf.VERSION, "tag": tag, "created": time.time(), **job.manifest_fields,
+        "params": params, "files": files,
         # every rank's in rank order (later pipeline stages hold later layers)
         "param_order": list(dict.fromkeys(name for report in reports for name in report.get("order", [])
                                           if name in params)),
@@ -271,7 +319,7 @@ def _commit(engine, save_dir: str, tag: str, staging: str, reports: list[dict], 
         os.replace(final, old)
     os.replace(staging, final)
     fsync_dir(save_dir)
-    if save_latest:
+    if job.save_latest:
         save_text(tag + "\n", os.path.join(save_dir, mf.LATEST))
     shutil.rmtree(old, ignore_errors=True)
     # Staging directories of any tag are left only by saves that crashed: saves are collective, so none

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .groups import forget_world
 from .handshake import comm_timeout_s, default_timeout_s
 from .sequence_check import CollectiveSequenceChecker
+from .watchdog import FAILED, FINISHED, Watchdog, watchdog_requested
 
 
 class _State:
@@ -25,6 +26,9 @@ class _State:
     checker_generation: int = 0
     timeout_s: float | None = None  # the process group's, when zeroengine made it
     shutdowns: int = 0  # shutdown() calls so far (each numbers its departure keys)
+    watchdog: Watchdog | None = None  # this rank's heartbeat and hang reports (zeroengine.comm.watchdog)
+    watchdog_world = None  # the default group the watchdog serves
+    watchdogs: int = 0  # started so far in this process (each numbers its store keys)
 
 
 state = _State()
@@ -51,6 +55,9 @@ class _ExitTeardown:
 
         def note_failure(*exc_info):
             self.failing = True
+            if state.watchdog is not None:  # peers' hang reports say this rank failed, and why
+                first_line = (str(exc_info[1]).strip().splitlines() or [""])[0][:300]
+                state.watchdog.stop(FAILED, f"{exc_info[0].__name__}: {first_line}")
             previous(*exc_info)
 
         sys.excepthook = note_failure
@@ -99,6 +106,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if dist.is_initialized():  # made by the script or its framework (Lightning, accelerate): zeroengine uses it,
         exit_teardown.register()  # so it leaves it standing no less safely than one it made
+        start_watchdog()
         return
     if distributed_port is not None and "RANK" in os.environ:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
@@ -136,6 +144,33 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         timeout=timeout,
     )
     exit_teardown.register()
+    start_watchdog()
+
+
+def start_watchdog() -> None:
+    """Start this rank's watchdog for the current world (once per world; not in a world of one, nor with
+    ``ZEROENGINE_WATCHDOG=0``). Every rank starts one per world, so their store keys agree."""
+    if state.watchdog is not None and state.watchdog_world is dist.group.WORLD:
+        return
+    stop_watchdog()
+    if dist.get_world_size() == 1 or not watchdog_requested():
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    state.watchdogs += 1
+    timeout_s = state.timeout_s or comm_timeout_s()
+    state.watchdog = Watchdog(_get_default_store(), dist.get_rank(), timeout_s, generation=state.watchdogs,
+                              silent_backend=dist.get_backend() != "gloo").start()
+    state.watchdog_world = dist.group.WORLD
+
+
+def stop_watchdog(final_state: str | None = None) -> None:
+    if state.watchdog is not None:
+        try:
+            state.watchdog.stop(final_state)
+        except Exception:  # the store is gone already: there is nobody left to tell
+            pass
+    state.watchdog, state.watchdog_world = None, None
 
 
 def shutdown() -> None:
@@ -148,6 +183,7 @@ def shutdown() -> None:
     if not dist.is_initialized():
         return
     forget_world()  # the groups cached for this world (meshes, host twins, expert groups) die with it
+    stop_watchdog(FINISHED)  # first: a peer still waiting in a collective names this rank as having left
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         dist.destroy_process_group()

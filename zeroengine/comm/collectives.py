@@ -50,14 +50,39 @@ def _group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-def _before(op: str, tensor: torch.Tensor, group, payload_bytes: int, sizes_must_match: bool = True) -> None:
+class _Issued:
+    """A collective as issued here: what its error names, and the watchdog's ticket for it (None when off)."""
+    __slots__ = ("op", "payload_bytes", "group", "label", "ticket")
+
+    def __init__(self, op, payload_bytes, group, label, ticket):
+        self.op, self.payload_bytes, self.group, self.label, self.ticket = op, payload_bytes, group, label, ticket
+
+
+def _before(op: str, tensor: torch.Tensor, group, payload_bytes: int, sizes_must_match: bool = True) -> _Issued:
     world = dist.get_world_size(group)
     counters.record(op, payload_bytes, ring_wire_bytes(op, payload_bytes, world))
+    label = _LABEL.get()
     if state.checker is not None:
         ranks = _group_ranks(group)
         fp = Fingerprint(op, str(tensor.dtype).removeprefix("torch."), tensor.numel(), caller_site(), sizes_must_match,
-                         _LABEL.get())
+                         label)
         state.checker.check("-".join(map(str, ranks)) if len(ranks) < 64 else f"g{id(group)}", ranks, fp)
+    watchdog = state.watchdog
+    ticket = None
+    if watchdog is not None:
+        ticket = watchdog.issue(watchdog.group_name(group), op, str(tensor.dtype).removeprefix("torch."),
+                                tensor.numel() if sizes_must_match else 0, label)
+    return _Issued(op, payload_bytes, group, label, ticket)
+
+
+def _point_to_point(op: str, tensor: torch.Tensor, src: int, dst: int, group) -> _Issued:
+    """A send or receive as the watchdog counts it: the k-th message from ``src`` to ``dst`` is one "group"'s
+    k-th collective on both sides, so a receive waiting for a send never made names its sender."""
+    watchdog, ticket = state.watchdog, None
+    if watchdog is not None:
+        ticket = watchdog.issue(watchdog.pair_name(src, dst), op, str(tensor.dtype).removeprefix("torch."),
+                                tensor.numel(), _LABEL.get())
+    return _Issued(op, _nbytes(tensor), group, _LABEL.get(), ticket)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -68,11 +93,17 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out: what it was, and the backend's own message."""
 
 
-def _failed(op: str, payload_bytes: int, group, label: str, exc: Exception) -> CollectiveError:
-    world = dist.get_world_size(group)
-    what = f" for {label}" if label else ""
-    message = f"rank {dist.get_rank()}: {op} of {payload_bytes} bytes over {world} ranks{what} failed: {exc}"
+def _failed(issued: _Issued, exc: Exception) -> CollectiveError:
+    world = dist.get_world_size(issued.group)
+    what = f" for {issued.label}" if issued.label else ""
+    message = (f"rank {dist.get_rank()}: {issued.op} of {issued.payload_bytes} bytes over {world} ranks{what} "
+               f"failed: {exc}")
     if _REMOTE.search(str(exc)):  # a peer's fault or a timeout, not a local misuse of the call
+        if state.watchdog is not None and issued.ticket is not None:
+            # Stacks are worth waiting for only when the peers may be alive: a timeout, not a closed connection.
+            report = state.watchdog.report(issued.ticket, members=None,
+                                           wait_for_stacks=bool(_TIMEOUT.search(str(exc))))
+            return CollectiveError(f"{message}\n{report}")
         waits = (f"ZEROENGINE_COMM_TIMEOUT ({state.timeout_s:.0f} s)" if state.timeout_s is not None
                  else "the process group's timeout")
         message += (f". Another rank died, is stuck, or issued a different collective (a code path taken on some "
@@ -84,17 +115,23 @@ def _failed(op: str, payload_bytes: int, group, label: str, exc: Exception) -> C
 # What gloo and NCCL say when the other side is gone or late.
 _REMOTE = re.compile(r"timed? ?out|timeout|connection|closed by peer|broken pipe|reset by peer|peer|abort|"
                      r"watchdog|ncclRemoteError|ncclSystemError", re.IGNORECASE)
+_TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
-def _call(op: str, payload_bytes: int, group, run, async_op: bool, finish=None):
+def _call(issued: _Issued, run, async_op: bool, finish=None):
     """Run ``run()`` (the torch.distributed call), naming the collective if it fails now or when waited on;
     ``finish`` runs once it has completed. Returns a handle when ``async_op``, else None."""
-    label = _LABEL.get()
+    watchdog = state.watchdog if issued.ticket is not None else None
+    if watchdog is not None and not async_op:
+        watchdog.block(issued.ticket)
     try:
         work = run()
     except RuntimeError as exc:
-        raise _failed(op, payload_bytes, group, label, exc) from exc
-    handle = _AfterWait(work, finish, (op, payload_bytes, group, label))
+        raise _failed(issued, exc) from exc
+    finally:
+        if watchdog is not None and not async_op:
+            watchdog.unblock()
+    handle = _AfterWait(work, finish, issued)
     if async_op:
         return handle
     handle.wait()
@@ -102,9 +139,8 @@ def _call(op: str, payload_bytes: int, group, run, async_op: bool, finish=None):
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    _before("all_reduce", tensor, group, _nbytes(tensor))
-    return _call("all_reduce", _nbytes(tensor), group,
-                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+    issued = _before("all_reduce", tensor, group, _nbytes(tensor))
+    return _call(issued, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
 
 def _use_all_to_all(group) -> bool:
@@ -128,18 +164,24 @@ def _use_all_to_all(group) -> bool:
 
 class _AfterWait:
     """A Work handle that runs ``finish`` once the underlying collective has completed, and names the
-    collective (``what``: op, bytes, group, label) if waiting for it fails."""
+    collective if waiting for it fails."""
 
-    def __init__(self, work, finish, what):
-        self._work, self._finish, self._what, self._done = work, finish, what, False
+    def __init__(self, work, finish, issued: _Issued):
+        self._work, self._finish, self._issued, self._done = work, finish, issued, False
 
     def wait(self, timeout=None):
         if not self._done:
             if self._work is not None:
+                watchdog = state.watchdog if self._issued.ticket is not None else None
+                if watchdog is not None:
+                    watchdog.block(self._issued.ticket)
                 try:
                     self._work.wait()
                 except RuntimeError as exc:
-                    raise _failed(*self._what, exc) from exc
+                    raise _failed(self._issued, exc) from exc
+                finally:
+                    if watchdog is not None:
+                        watchdog.unblock()
             if self._finish is not None:
                 self._finish()
             self._done = True
@@ -162,10 +204,9 @@ def _flat(name: str, **tensors) -> None:
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Flat reduce-scatter: ``input`` holds world_size equal chunks, ``output`` one chunk."""
     _flat("reduce_scatter", output=output, input=input)
-    _before("reduce_scatter", input, group, _nbytes(input))
+    issued = _before("reduce_scatter", input, group, _nbytes(input))
     if op != ReduceOp.SUM or not _use_all_to_all(group):
-        return _call("reduce_scatter", _nbytes(input), group,
-                     lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op), async_op)
+        return _call(issued, lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op), async_op)
     world = dist.get_world_size(group)
     received = scratch.take(input.numel(), input.dtype, input.device).view(input.shape)
 
@@ -173,43 +214,39 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, g
         torch.sum(received.view(world, -1), dim=0, out=output)
         scratch.give(received)
 
-    return _call("reduce_scatter", _nbytes(input), group,
-                 lambda: dist.all_to_all_single(received, input, group=group, async_op=async_op), async_op, finish)
+    return _call(issued, lambda: dist.all_to_all_single(received, input, group=group, async_op=async_op), async_op, finish)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Flat all-gather: ``output`` receives world_size copies of ``input``'s size, in rank order."""
     _flat("all_gather", output=output, input=input)
-    _before("all_gather", input, group, _nbytes(output))
+    issued = _before("all_gather", input, group, _nbytes(output))
     if not _use_all_to_all(group):
-        return _call("all_gather", _nbytes(output), group,
-                     lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op)
+        return _call(issued, lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op)
     world = dist.get_world_size(group)
     copies = scratch.take(world * input.numel(), input.dtype, input.device)
     copies.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
-    return _call("all_gather", _nbytes(output), group,
-                 lambda: dist.all_to_all_single(output, copies, group=group, async_op=async_op), async_op,
+    return _call(issued, lambda: dist.all_to_all_single(output, copies, group=group, async_op=async_op), async_op,
                  lambda: scratch.give(copies))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
-    _before("broadcast", tensor, group, _nbytes(tensor))
-    return _call("broadcast", _nbytes(tensor), group,
-                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+    issued = _before("broadcast", tensor, group, _nbytes(tensor))
+    return _call(issued, lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     uneven = input_split_sizes is not None or output_split_sizes is not None
-    _before("all_to_all", input, group, _nbytes(input), sizes_must_match=not uneven)
-    return _call("all_to_all", _nbytes(input), group, lambda: dist.all_to_all_single(
+    issued = _before("all_to_all", input, group, _nbytes(input), sizes_must_match=not uneven)
+    return _call(issued, lambda: dist.all_to_all_single(
         output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
         group=group, async_op=async_op), async_op)
 
 
 def barrier(group=None) -> None:
     marker = torch.zeros(1)
-    _before("barrier", marker, group, 0)
-    _call("barrier", 0, group, lambda: dist.barrier(group=group), async_op=False)
+    issued = _before("barrier", marker, group, 0)
+    _call(issued, lambda: dist.barrier(group=group), async_op=False)
 
 
 def all_reduce_scalar(value: float, op=ReduceOp.SUM, group=None) -> float:
@@ -233,21 +270,22 @@ def all_reduce_value(value: torch.Tensor, op=ReduceOp.SUM, group=None) -> torch.
 def control_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """A tiny synchronous all-gather of bookkeeping (e.g. which stage-3 bucket each rank is about to
     gather), counted as ``control`` so the data volumes the ZeRO formulas speak of stay exact."""
-    _before("control", input, group, _nbytes(output))
+    issued = _before("control", input, group, _nbytes(output))
     if dist.get_backend(group) == "gloo":  # gloo's all_to_all_single is its quickest small exchange (~30%)
         world = dist.get_world_size(group)
-        dist.all_to_all_single(output, input.reshape(1, -1).expand(world, -1).contiguous(), group=group)
+        copies = input.reshape(1, -1).expand(world, -1).contiguous()
+        _call(issued, lambda: dist.all_to_all_single(output, copies, group=group), async_op=False)
     else:
-        _all_gather_flat(output, input, group=group)
+        _call(issued, lambda: _all_gather_flat(output, input, group=group), async_op=False)
 
 
 def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable ``obj``, in rank order (bookkeeping: counted as ``control``, its size unknown
     before pickling)."""
     marker = torch.zeros(1)
-    _before("control", marker, group, 0, sizes_must_match=False)
+    issued = _before("control", marker, group, 0, sizes_must_match=False)
     gathered = [None] * dist.get_world_size(group)
-    _call("all_gather_object", 0, group, lambda: dist.all_gather_object(gathered, obj, group=group), async_op=False)
+    _call(issued, lambda: dist.all_gather_object(gathered, obj, group=group), async_op=False)
     return gathered
 
 
@@ -262,14 +300,16 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     ``tag`` tells apart messages between the same two ranks (not with NCCL)."""
     size = _nbytes(tensor)
     counters.record("send", size, float(size))
-    return _call("send", size, group, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), async_op=True)
+    issued = _point_to_point("send", tensor, dist.get_rank(), dst, group)
+    return _call(issued, lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), async_op=True)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
     """Receive into ``tensor`` from global rank ``src`` (blocks until it has arrived)."""
     size = _nbytes(tensor)
     counters.record("recv", size, 0.0)
-    _call("recv", size, group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), async_op=False)
+    issued = _point_to_point("recv", tensor, src, dist.get_rank(), group)
+    _call(issued, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), async_op=False)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
@@ -281,7 +321,8 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
     """Start receiving into ``tensor`` from global rank ``src``; its values are there after the handle's ``wait``."""
     size = _nbytes(tensor)
     counters.record("recv", size, 0.0)
-    return _call("recv", size, group, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), async_op=True)
+    issued = _point_to_point("recv", tensor, src, dist.get_rank(), group)
+    return _call(issued, lambda: dist.irecv(tensor, src=src, group=group, tag=tag), async_op=True)
 
 
 def recv_from_any(tensor: torch.Tensor, group=None, tag: int = 0) -> int:
@@ -291,7 +332,7 @@ def recv_from_any(tensor: torch.Tensor, group=None, tag: int = 0) -> int:
     try:
         return dist.recv(tensor, src=None, group=group, tag=tag)
     except RuntimeError as exc:
-        raise _failed("recv", size, group, _LABEL.get(), exc) from exc
+        raise _failed(_Issued("recv", size, group, _LABEL.get(), None), exc) from exc
 
 
 def broadcast_object_list(object_list: list, src: int, group=None, device=None) -> None:
@@ -299,9 +340,8 @@ def broadcast_object_list(object_list: list, src: int, group=None, device=None) 
     bookkeeping, counted as ``control`` like :func:`all_gather_object`). ``device``: where the pickles travel
     (torch's default: the current CUDA device under NCCL)."""
     marker = torch.zeros(1)
-    _before("control", marker, group, 0, sizes_must_match=False)
-    _call("broadcast_object_list", 0, group,
-          lambda: dist.broadcast_object_list(object_list, src=src, group=group, device=device), async_op=False)
+    issued = _before("control", marker, group, 0, sizes_must_match=False)
+    _call(issued, lambda: dist.broadcast_object_list(object_list, src=src, group=group, device=device), async_op=False)
 
 
 def wait_all(handles: list) -> None:

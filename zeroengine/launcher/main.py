@@ -29,15 +29,14 @@ from .commands import (
     LaunchCommand,
     collect_exports,
     find_env_files,
-    pdsh_command,
     slurm_command,
     slurm_command_for_layout,
-    ssh_commands,
 )
 from .hostfile import parse_layout, read_hostfile, world_layout
 from .local import NodePlan, plan_from_layout, plan_uniform, rank_commands
+from .node_restarts import NodeRestarts, RemoteLaunch
 from .rank_env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
-from .restarts import run_with_restarts
+from .restarts import RESTART_VARIABLES, run_with_restarts
 from .supervisor import supervise
 
 LAUNCHERS = ("local", "ssh", "pdsh", "slurm")
@@ -96,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max_restarts", "--max-restarts", type=int, default=0, metavar="N",
                      help="when a rank fails, stop every rank and start the job again, up to N times (torchrun's "
                           "flag; ranks see ZEROENGINE_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT and resume from "
-                          "their checkpoint); one node's launch only")
+                          "their checkpoint)")
+    run.add_argument("--min_nodes", type=int, default=None, metavar="M",
+                     help="with --max_restarts and a hostfile of several nodes: a restart leaves out the nodes "
+                          "that cannot be reached (ssh) as long as M remain (default: every node must answer)")
     run.add_argument("--as_deepspeed", action="store_true",
                      help="run the script with ZEROENGINE_AS_DEEPSPEED=1: its 'import deepspeed' (and "
                           "transformers' and accelerate's) gets zeroengine (docs/integrations.md)")
@@ -158,6 +160,8 @@ def _check_args(args) -> None:
         raise UsageError("--grace_period must be >= 0")
     if args.max_restarts < 0:
         raise UsageError("--max_restarts must be >= 0")
+    if args.min_nodes is not None and args.min_nodes < 1:
+        raise UsageError(f"--min_nodes must be >= 1, got {args.min_nodes}")
     if args.module and args.no_python:
         raise UsageError("--module and --no_python are mutually exclusive")
     if args.module:
@@ -235,9 +239,9 @@ def _plan_hostfile(args, procs: Optional[int]):
     job = _with_exports(job)
     if launcher == "slurm":
         return [slurm_command_for_layout(layout, _slurm_job(args, job))], job
-    if launcher == "pdsh":
-        return [pdsh_command(layout, job)], job
-    return ssh_commands(layout, job), job
+    if args.min_nodes is not None and args.min_nodes > len(layout):
+        raise UsageError(f"--min_nodes {args.min_nodes} is more than the job's {len(layout)} node(s)")
+    return RemoteLaunch(dict(layout), launcher, job), job
 
 
 def _reachable_address(host: str) -> str:
@@ -377,6 +381,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         what, job = plan(args)
         if isinstance(what, NodePlan):
             commands = rank_commands(what, job, os.environ)
+        elif isinstance(what, RemoteLaunch):
+            commands = what.commands()
         else:
             commands = what
     except ValueError as e:  # UsageError, HostfileError, bad include spec, ...
@@ -397,11 +403,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             return rank_commands(replace(what, master_port=what.master_port + restart), job, os.environ)
 
         # (with no restarts too: ranks always see the attempt, 0, as under torchrun)
+        # a node of a job of several nodes: the job's attempt comes from the launching node
+        first = int(os.environ.get(RESTART_VARIABLES[0], "0")) if args.world_layout else 0
         return run_with_restarts(commands_for, args.max_restarts, noun="ranks", grace_period=args.grace_period,
-                                 watch_stdin=args.watch_stdin)
+                                 watch_stdin=args.watch_stdin, first_count=first)
+    if isinstance(what, RemoteLaunch):
+        restarts = NodeRestarts(what, args.min_nodes, master_given=bool(args.master_addr), master_of=_reachable_address)
+
+        def announced(restart: int) -> List[LaunchCommand]:
+            commands = restarts.commands_for(restart)
+            for command in commands:
+                print(f"zeroengine: starting {command.name}: {shlex.join(command.argv)}", file=sys.stderr,
+                      flush=True)
+            return commands
+
+        return run_with_restarts(announced, args.max_restarts, noun="nodes", grace_period=args.grace_period,
+                                 before_restart=restarts.before_restart)
     if args.max_restarts:
-        print("zeroengine: error: --max_restarts restarts one node's launch; with a hostfile of several nodes it "
-              "is not supported yet (restart the job from the top)", file=sys.stderr)
+        print("zeroengine: error: --max_restarts with --launcher slurm: srun starts the ranks itself, so this "
+              "launcher cannot restart them (use srun's own --requeue)", file=sys.stderr)
         return 2
     for command in commands:
         print(f"zeroengine: starting {command.name}: {shlex.join(command.argv)}",

@@ -27,6 +27,10 @@ class CheckpointConfig(ConfigModel):
                           "checkpoint stopped (its epoch and the samples already handed out), so a resumed run "
                           "trains what an uninterrupted one does. False: the loader starts its epoch over, as "
                           "DeepSpeed's does (for a script that skips consumed batches itself).")
+    async_save: bool = Field(
+        False, description="save_checkpoint copies the state to host memory and writes it in a background thread "
+                           "while training goes on; 'latest' moves once every rank's files are on disk. The next "
+                           "save, a load, engine.wait_for_checkpoint() and engine.destroy() wait for it.")
     load_universal: bool = Field(False, description="Accepted for DeepSpeed compatibility: every zeroengine "
                                                     "checkpoint is already universal (any world, any stage).")
 
