@@ -63,6 +63,16 @@ class SnapshotBuffers:
         return buffer
 
 
+def _lower_priority() -> None:
+    """Give the writer thread a lower CPU priority (nice +10; Linux applies it to the thread alone): serializing
+    and checksumming the files should take the cores training leaves idle, not the training loop's share."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+    except (AttributeError, OSError):  # not Linux, or not allowed: the writer runs at the same priority
+        pass
+
+
 class BackgroundSaver:
     """The engine's asynchronous saves: at most one in flight (see the module doc)."""
 
@@ -92,6 +102,7 @@ class BackgroundSaver:
         return os.path.join(job.save_dir, job.tag)
 
     def _run(self, job: SaveJob) -> None:
+        _lower_priority()
         try:
             write_and_commit(job)
         except BaseException as err:  # noqa: BLE001 - raised in the training thread by wait()

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+import sys
 
-from zeroengine.ops.builder import CPUOpBuilder, CUDAOpBuilder
+from zeroengine.ops.builder import CPUOpBuilder, CUDAOpBuilder, OpBuilder
 from zeroengine.ops.cpu_features import SimdLevel
 
 
@@ -53,3 +54,20 @@ class MoEDispatchCUDABuilder(CUDAOpBuilder):
     NAME = "moe_dispatch_cuda"
     SOURCE_DIR = "moe"
     SOURCES = ("moe_dispatch_cuda.cpp", "moe_dispatch.cu")
+
+
+class AsyncIOBuilder(OpBuilder):
+    """Asynchronous file reads and writes of tensors, a pool of threads in pread/pwrite with O_DIRECT where
+    aligned (ops/csrc/aio/async_io_cpu.cpp): NVMe offload's I/O. Linux only (O_DIRECT, pread/pwrite)."""
+
+    NAME = "async_io"
+    SOURCE_DIR = "aio"
+    SOURCES = ("async_io_cpu.cpp",)
+
+    def ld_flags(self) -> list[str]:
+        return [*super().ld_flags(), "-pthread"]
+
+    def is_compatible(self) -> tuple[bool, str]:
+        if not sys.platform.startswith("linux"):
+            return False, f"needs Linux (O_DIRECT, pread/pwrite); this is {sys.platform}"
+        return super().is_compatible()

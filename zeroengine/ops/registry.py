@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 from zeroengine.ops.builder import OpBuilder
-from zeroengine.ops.op_builders import CPUAdamBuilder, FusedAdamBuilder, MoEDispatchBuilder, MoEDispatchCUDABuilder
+from zeroengine.ops.op_builders import (
+    AsyncIOBuilder,
+    CPUAdamBuilder,
+    FusedAdamBuilder,
+    MoEDispatchBuilder,
+    MoEDispatchCUDABuilder,
+)
 
 _BUILDERS: tuple[type[OpBuilder], ...] = (CPUAdamBuilder, FusedAdamBuilder, MoEDispatchBuilder,
-                                          MoEDispatchCUDABuilder)
+                                          MoEDispatchCUDABuilder, AsyncIOBuilder)
 
 
 def all_builders() -> list[OpBuilder]:
