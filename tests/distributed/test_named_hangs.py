@@ -1,5 +1,5 @@
 """A rank that does not arrive at a collective is named, through the launcher, within the comm timeout + 30 s
-(tests/launcher_scripts/hang_train.py, 2 ranks at ZeRO stage 2, ZEROENGINE_COMM_TIMEOUT=6): stuck in its own
+(tests/launcher_scripts/hang_train.py, 2 ranks at ZeRO stage 2, ZEROENGINE_COMM_TIMEOUT=4, heartbeats every 0.5 s): stuck in its own
 code (and its Python stack shows where), or left early. The job ends non-zero and the launcher says which rank
 failed. (The reports' wording for every case: tests/unit/test_watchdog.py.)"""
 import os
@@ -13,13 +13,13 @@ from zeroengine.testing import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "tests", "launcher_scripts", "hang_train.py")
-COMM_TIMEOUT_S = 6
+COMM_TIMEOUT_S = 4
 pytestmark = pytest.mark.timeout(300)
 
 
 def _launch(case):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", ZEROENGINE_COMM_TIMEOUT=str(COMM_TIMEOUT_S))
+    env.update(OMP_NUM_THREADS="1", ZEROENGINE_COMM_TIMEOUT=str(COMM_TIMEOUT_S), ZEROENGINE_HEARTBEAT_S="0.5")
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "zeroengine.launcher.main", "--num_procs", "2", "--master_port",
                            str(free_port()), SCRIPT, case], env=env, capture_output=True, text=True, timeout=240)

@@ -28,7 +28,16 @@ os.execvp("bash", ["bash", "-c", command])
 """
 
 
-def _launch(tmp_path, min_nodes):
+# Gives up before any training: rank 2 (on the second node) marks its node down and fails at once.
+LOSE_A_NODE = """\
+import os, sys
+if os.environ["RANK"] == "2":
+    open(sys.argv[2], "w").write("localhost\\n")
+    sys.exit(1)
+"""
+
+
+def _launch(tmp_path, min_nodes, script=SCRIPT):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     ssh = bin_dir / "ssh"
@@ -43,7 +52,7 @@ def _launch(tmp_path, min_nodes):
     env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_DOWN_FILE=str(down), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "zeroengine.launcher.main", "--hostfile", str(hostfile),
                            "--launcher", "ssh", "--master_port", str(free_port()), "--max_restarts", "1",
-                           "--min_nodes", str(min_nodes), "--grace_period", "2", SCRIPT, str(out), str(down)],
+                           "--min_nodes", str(min_nodes), "--grace_period", "2", str(script), str(out), str(down)],
                           env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
     return done, out
 
@@ -66,7 +75,9 @@ def test_a_lost_node_is_left_out_and_the_epoch_goes_on_at_the_smaller_world(tmp_
 
 
 def test_without_enough_nodes_left_the_job_gives_up_naming_them(tmp_path):
-    done, _ = _launch(tmp_path, min_nodes=2)
+    script = tmp_path / "lose_a_node.py"
+    script.write_text(LOSE_A_NODE)
+    done, _ = _launch(tmp_path, min_nodes=2, script=script)
     assert done.returncode != 0
     assert ("cannot restart: node(s) localhost cannot be reached (ssh localhost true failed); 1 node(s) left, "
             "fewer than --min_nodes 2") in done.stderr

@@ -35,48 +35,57 @@ def _engine(rank, world):
     return engine, reader, other
 
 
-def save(rank, world, save_dir, async_save):
+def save(rank, world, save_dirs):
+    """One save of each kind: synchronous into save_dirs[0], asynchronous into save_dirs[1]."""
     engine, reader, other = _engine(rank, world)
     train(engine, rank, world, 0, 1)
     for _ in range(3 + rank):  # every rank at its own position
         next(reader)
     next(other)
-    engine.save_checkpoint(save_dir, client_state={"epoch": 2, "other": other}, async_save=async_save)
-    next(reader)  # moves on after the save: not saved
+    for save_dir, async_save in zip(save_dirs, (False, True)):
+        engine.save_checkpoint(save_dir, client_state={"epoch": 2, "other": other}, async_save=async_save)
+    next(reader)  # moves on after the saves: not saved
     engine.destroy()
     return reader.pos
 
 
-def load(rank, world, save_dir):
+def load(rank, world, save_dirs):
     import logging
 
     from zeroengine.progress import get_logger
 
-    engine, reader, _ = _engine(rank, world)
-    said = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())
-    get_logger().addHandler(handler)
-    _, client_state = engine.load_checkpoint(save_dir)
-    get_logger().removeHandler(handler)
-    return reader.pos, client_state, said
+    results = []
+    for save_dir in save_dirs:
+        engine, reader, _ = _engine(rank, world)
+        said = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: said.append(record.getMessage())
+        get_logger().addHandler(handler)
+        _, client_state = engine.load_checkpoint(save_dir)
+        get_logger().removeHandler(handler)
+        results.append((reader.pos, client_state, said))
+    return results
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_stateful_objects_come_back_to_the_rank_that_saved_them(tmp_path, async_save):
-    save_dir = str(tmp_path / "run")
-    assert run_distributed(save, 2, save_dir, async_save) == [4, 5]
-    for rank, (pos, client_state, said) in enumerate(run_distributed(load, 2, save_dir)):
-        assert not said
-        assert pos == 3 + rank  # the registered reader, loaded back
-        assert client_state["epoch"] == 2
-        assert client_state["other"] == {"pos": 1, "seen": [rank]}  # this rank's state of the client_state object
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stateful")
+    save_dirs = [str(folder / "sync"), str(folder / "async")]
+    assert run_distributed(save, 2, save_dirs) == [4, 5]
+    return save_dirs
 
 
-def test_at_another_world_size_rank_local_states_are_not_restored(tmp_path):
-    save_dir = str(tmp_path / "run")
-    run_distributed(save, 2, save_dir, False)
-    pos, client_state, said = run_distributed(load, 1, save_dir)[0]
+def test_stateful_objects_come_back_to_the_rank_that_saved_them(saved):
+    for rank, per_save in enumerate(run_distributed(load, 2, saved)):
+        for pos, client_state, said in per_save:  # the synchronous save's, then the asynchronous one's
+            assert not said
+            assert pos == 3 + rank  # the registered reader, loaded back
+            assert client_state["epoch"] == 2
+            assert client_state["other"] == {"pos": 1, "seen": [rank]}  # this rank's state of the client_state object
+
+
+def test_at_another_world_size_rank_local_states_are_not_restored(saved):
+    pos, client_state, said = run_distributed(load, 1, saved[:1])[0][0]
     assert pos == 0 and "other" not in client_state and client_state["epoch"] == 2
     assert said == ["load_checkpoint: not restored: 'reader' (saved by 2 ranks, loaded by 1: rank-local states do not "
                     "carry over to another world size); client_state['other'] (idem)"]

@@ -196,9 +196,10 @@ def test_an_unknown_simd_level_is_a_reason_not_a_traceback(cache, monkeypatch):
 
 def test_registry_lists_every_op(cache):
     builders = all_builders()
-    assert [b.name for b in builders] == ["cpu_adam", "fused_adam", "moe_dispatch", "moe_dispatch_cuda"]
+    names = ["cpu_adam", "fused_adam", "moe_dispatch", "moe_dispatch_cuda", "async_io"]
+    assert [b.name for b in builders] == names
     table = format_status_table([b.status() for b in builders])
-    assert all(name in table for name in ("cpu_adam", "fused_adam", "moe_dispatch", "moe_dispatch_cuda"))
+    assert all(name in table for name in names)
 
 
 if __name__ == "__main__":  # child process of test_concurrent_loads_build_once

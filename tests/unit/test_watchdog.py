@@ -108,9 +108,10 @@ def test_a_receive_matches_its_send_and_names_a_sender_that_never_sent(tmp_path)
     waiting = dogs[0].issue(dogs[0].pair_name(1, 0), "recv", "float32", 16)  # a second message never sent
     dogs[0].block(waiting)
     time.sleep(0.2)
-    report = dogs[0].report(waiting, members=None, wait_for_stacks=False)
+    report = dogs[0].report(waiting, members=None, timed_out=False)
     _stop(dogs, files)
-    assert "#1 recv(float32[16]) in group p2p:1->0" in report and "rank 1: stuck in its own code" in report
+    assert "failure report from rank 0" in report and "#1 recv(float32[16]) in group p2p:1->0" in report
+    assert "rank 1: gone: its connection closed" in report and "said: running its own code" in report
 
 
 def test_heartbeats_round_trip_through_the_store_encoding():

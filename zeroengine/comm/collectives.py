@@ -102,7 +102,7 @@ def _failed(issued: _Issued, exc: Exception) -> CollectiveError:
         if state.watchdog is not None and issued.ticket is not None:
             # Stacks are worth waiting for only when the peers may be alive: a timeout, not a closed connection.
             report = state.watchdog.report(issued.ticket, members=None,
-                                           wait_for_stacks=bool(_TIMEOUT.search(str(exc))))
+                                           timed_out=bool(_TIMEOUT.search(str(exc))))
             return CollectiveError(f"{message}\n{report}")
         waits = (f"ZEROENGINE_COMM_TIMEOUT ({state.timeout_s:.0f} s)" if state.timeout_s is not None
                  else "the process group's timeout")

@@ -74,6 +74,7 @@ class Heartbeat:
     blocked_on: Ticket | None = None  # the collective this rank is blocked in (state WAITING)
     since: float = 0.0  # wall-clock time of the state's start
     note: str = ""  # FAILED: the error's first line
+    posted: float = 0.0  # wall-clock time it was posted
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -98,9 +99,11 @@ def _ago(t: float, now: float) -> str:
 
 
 def describe_hang(me: int, ticket: Ticket, waited_s: float, beats: dict, now: float | None = None,
-                  store_lost: bool = False) -> str:
+                  store_lost: bool = False, connection_lost: bool = False) -> str:
     """The hang report of rank ``me``, blocked ``waited_s`` in ``ticket``, from its group's heartbeats
-    (``beats``: rank → Heartbeat, or None for a rank that never posted one)."""
+    (``beats``: rank → Heartbeat, or None for a rank that never posted one). ``connection_lost``: the backend
+    failed because a peer's connection closed (not a timeout), so a peer that did not arrive and said nothing
+    of failing or finishing is gone, and its heartbeat is only its last word."""
     now = time.time() if now is None else now
     lines = []
     if store_lost:
@@ -126,13 +129,19 @@ def describe_hang(me: int, ticket: Ticket, waited_s: float, beats: dict, now: fl
         elif beat.state == FAILED:
             lines.append(f"  rank {rank}: failed {_ago(beat.since, now)} ago ({beat.note or 'see its own error'}); "
                          f"{last}")
+        elif connection_lost:
+            doing = (f"waiting in {beat.blocked_on.describe()}" if beat.state == WAITING and beat.blocked_on
+                     else f"running its own code; {last}")
+            lines.append(f"  rank {rank}: gone: its connection closed (it died, was killed, or exited without a "
+                         f"word); its last heartbeat ({_ago(beat.posted, now)} ago) said: {doing}")
         elif beat.state == WAITING and beat.blocked_on is not None:
             lines.append(f"  rank {rank}: waiting for {_ago(beat.since, now)} in another collective: "
                          f"{beat.blocked_on.describe()}")
         else:
             lines.append(f"  rank {rank}: stuck in its own code (no collective) for {_ago(beat.since, now)}; "
                          f"{last}; its stack is printed above")
-    head = (f"zeroengine hang report from rank {me}: it waited {waited_s:.0f} s in collective {ticket.describe()}")
+    kind = "failure" if connection_lost else "hang"
+    head = f"zeroengine {kind} report from rank {me}: it waited {waited_s:.0f} s in collective {ticket.describe()}"
     if not lines:
         return head + "; every rank of the group reached it (the backend failed for another reason)"
     return head + "; the ranks that did not arrive:\n" + "\n".join(lines)
@@ -249,6 +258,7 @@ class Watchdog:
         key = (beat.state, beat.last, beat.blocked_on)
         if key != self._posted:
             self._posted = key
+            beat.posted = time.time()
             self.store.set(f"{self._ns}/hb/{self.rank}", beat.encode())
 
     def _answer_stack_request(self) -> None:
@@ -276,10 +286,11 @@ class Watchdog:
         os._exit(EXIT_HANG)
 
     # -- the report -------------------------------------------------------------------------------------------
-    def report(self, ticket: Ticket, members: list[int] | None, wait_for_stacks: bool = True) -> str:
+    def report(self, ticket: Ticket, members: list[int] | None, timed_out: bool = True) -> str:
         """The hang report for ``ticket`` (blocked since :meth:`block`), among ``members`` (the group's global
-        ranks; parsed from the group's name when None). Every rank is asked to print its stack first; the
-        ranks still alive are waited for (a few heartbeats) so their stacks precede the report."""
+        ranks; those it was issued to when None). Every rank is asked to print its stack first; after a timeout
+        the ranks still alive are waited for (a few heartbeats) so their stacks precede the report. Not
+        ``timed_out``: a peer's connection closed, so the peers that did not arrive are gone."""
         with self._lock:
             if self._report is not None:
                 return self._report
@@ -294,12 +305,13 @@ class Watchdog:
                 self._answered = True
                 self.print_stack("its own hang report follows")
                 beats = self._read(members)
-                if wait_for_stacks:
+                if timed_out:
                     self._wait_for_stacks(members, beats)
                     beats = self._read(members)
             except Exception:  # rank 0's store is gone
                 store_lost = True
-            self._report = describe_hang(self.rank, ticket, waited, beats, store_lost=store_lost)
+            self._report = describe_hang(self.rank, ticket, waited, beats, store_lost=store_lost,
+                                         connection_lost=not timed_out)
             return self._report
 
     def _read(self, members: list[int]) -> dict:
