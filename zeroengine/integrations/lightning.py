@@ -187,7 +187,9 @@ class ZeroEngineStrategy(DDPStrategy):
                             "do not apply: every rank writes its own part of the engine checkpoint)")
         filepath = self.broadcast(str(filepath))
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.model.save_checkpoint(filepath, tag=_TAG, client_state=client)
+        # Synchronous even with checkpoint.async_save: ModelCheckpoint removes the previous best as soon as this
+        # returns, so a save still being written then would leave no checkpoint at all if the run died meanwhile.
+        self.model.save_checkpoint(filepath, tag=_TAG, client_state=client, async_save=False)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = str(checkpoint_path)
