@@ -6,13 +6,13 @@ the checkpoint, which must equal, tensor for tensor, a synchronous save of the s
 ``latest`` moves only once the background commit is done. A rank killed during the background write leaves
 the previous checkpoint the latest and loadable; a failed background write is raised by the next wait."""
 import os
-import signal
 import threading
 
 import pytest
 import torch
 from parity import make_model
 from test_checkpoint_reshard import config, full_state, train
+from test_checkpoint_safety import die_in_the_next_write
 
 import zeroengine
 from zeroengine.checkpoint import CheckpointError
@@ -120,17 +120,7 @@ def die_during_the_background_write(rank, world, save_dir, victim, where):
     engine.wait_for_checkpoint()
     train(engine, rank, world, 1, 1)
     if rank == victim:
-        real = save_module.save_tensors if where == "shard" else save_module.save_json
-
-        def die_halfway(obj, path):
-            if where == "shard":
-                with open(path + ".partial", "wb") as f:
-                    f.write(b"PK\x03\x04 half a zip")
-            else:  # rank 0 wrote every shard and the manifest, and dies before the rename
-                real(obj, path)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        setattr(save_module, "save_tensors" if where == "shard" else "save_json", die_halfway)
+        die_in_the_next_write(where)  # in the background writer this time
     engine.save_checkpoint(save_dir, tag="doomed", async_save=True)
     train(engine, rank, world, 2, 1)  # training goes on while the writer dies
     engine.wait_for_checkpoint()

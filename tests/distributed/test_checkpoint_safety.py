@@ -26,18 +26,24 @@ def save_twice_dying_in_the_second(rank, world, save_dir, victim, where):
     engine.save_checkpoint(save_dir, tag="good")
     train(engine, rank, world, 1, 1)
     if rank == victim:
-        real = save_module.save_tensors if where == "shard" else save_module.save_json
-
-        def die_halfway(obj, path):
-            if where == "shard":  # a partly written temporary file, then the process is gone
-                with open(path + ".partial", "wb") as f:
-                    f.write(b"PK\x03\x04 half a zip")
-            else:  # rank 0 wrote every shard and the manifest, and dies before the rename
-                real(obj, path)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        setattr(save_module, "save_tensors" if where == "shard" else "save_json", die_halfway)
+        die_in_the_next_write(where)
     engine.save_checkpoint(save_dir, tag="doomed")
+
+
+def die_in_the_next_write(where: str) -> None:
+    """Make this process SIGKILL itself in the next save: halfway through its shard (``where`` "shard"), or, on
+    rank 0, after writing the manifest and before the rename that commits the tag ("commit")."""
+    real = save_module.save_tensors if where == "shard" else save_module.save_json
+
+    def die_halfway(obj, path):
+        if where == "shard":  # a partly written temporary file, then the process is gone
+            with open(path + ".partial", "wb") as f:
+                f.write(b"PK\x03\x04 half a zip")
+        else:  # rank 0 wrote every shard and the manifest, and dies before the rename
+            real(obj, path)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    setattr(save_module, "save_tensors" if where == "shard" else "save_json", die_halfway)
 
 
 def load_world1(rank, world, load_dir, tag=None):

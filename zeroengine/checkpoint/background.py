@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import torch
 
@@ -81,7 +80,6 @@ class BackgroundSaver:
         self._thread: threading.Thread | None = None
         self._job: SaveJob | None = None
         self._error: BaseException | None = None
-        self.last_stall_s = 0.0  # how long the last start() held the training loop (snapshot included)
 
     @property
     def in_flight(self) -> bool:
@@ -90,7 +88,6 @@ class BackgroundSaver:
     def start(self, job: SaveJob) -> str:
         """Snapshot ``job``'s tensors, then write and commit it in the background; returns the tag directory
         the save will have once committed."""
-        started = time.perf_counter()
         self.wait()
         job.shard, job.common = self.buffers.snapshot((job.shard, job.common))
         if torch.cuda.is_available():
@@ -98,7 +95,6 @@ class BackgroundSaver:
         self._job, self._error = job, None
         self._thread = threading.Thread(target=self._run, args=(job,), name="zeroengine-checkpoint-writer")
         self._thread.start()
-        self.last_stall_s = time.perf_counter() - started
         return os.path.join(job.save_dir, job.tag)
 
     def _run(self, job: SaveJob) -> None:

@@ -63,9 +63,6 @@ class SaveJob:
     manifest_fields: dict  # what the manifest says about the run (world size, stage, ...), frozen parameters
     save_latest: bool
 
-    def payloads(self) -> list[dict]:
-        return [self.shard] + ([self.common] if self.common is not None else [])
-
 
 def save_checkpoint(engine, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> str:

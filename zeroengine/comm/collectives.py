@@ -58,19 +58,22 @@ class _Issued:
         self.op, self.payload_bytes, self.group, self.label, self.ticket = op, payload_bytes, group, label, ticket
 
 
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 def _before(op: str, tensor: torch.Tensor, group, payload_bytes: int, sizes_must_match: bool = True) -> _Issued:
     world = dist.get_world_size(group)
     counters.record(op, payload_bytes, ring_wire_bytes(op, payload_bytes, world))
     label = _LABEL.get()
     if state.checker is not None:
         ranks = _group_ranks(group)
-        fp = Fingerprint(op, str(tensor.dtype).removeprefix("torch."), tensor.numel(), caller_site(), sizes_must_match,
-                         label)
+        fp = Fingerprint(op, _dtype_name(tensor), tensor.numel(), caller_site(), sizes_must_match, label)
         state.checker.check("-".join(map(str, ranks)) if len(ranks) < 64 else f"g{id(group)}", ranks, fp)
     watchdog = state.watchdog
     ticket = None
     if watchdog is not None:
-        ticket = watchdog.issue(watchdog.group_name(group), op, str(tensor.dtype).removeprefix("torch."),
+        ticket = watchdog.issue(watchdog.group_name(group), op, _dtype_name(tensor),
                                 tensor.numel() if sizes_must_match else 0, label)
     return _Issued(op, payload_bytes, group, label, ticket)
 
@@ -78,11 +81,10 @@ def _before(op: str, tensor: torch.Tensor, group, payload_bytes: int, sizes_must
 def _point_to_point(op: str, tensor: torch.Tensor, src: int, dst: int, group) -> _Issued:
     """A send or receive as the watchdog counts it: the k-th message from ``src`` to ``dst`` is one "group"'s
     k-th collective on both sides, so a receive waiting for a send never made names its sender."""
-    watchdog, ticket = state.watchdog, None
+    watchdog, ticket, label = state.watchdog, None, _LABEL.get()
     if watchdog is not None:
-        ticket = watchdog.issue(watchdog.pair_name(src, dst), op, str(tensor.dtype).removeprefix("torch."),
-                                tensor.numel(), _LABEL.get())
-    return _Issued(op, _nbytes(tensor), group, _LABEL.get(), ticket)
+        ticket = watchdog.issue(watchdog.pair_name(src, dst), op, _dtype_name(tensor), tensor.numel(), label)
+    return _Issued(op, _nbytes(tensor), group, label, ticket)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -168,7 +168,7 @@ class Watchdog:
         self._stack_file = stack_file
         self._ns = f"ze_wd/{generation}"
         self._seqs: dict[str, int] = {}
-        # id(group) → (group, its name, its global ranks): holding the group keeps its id from being reused
+        # id(group) → (group, its name): holding the group keeps its id from being reused
         self._groups: dict[int, tuple] = {}
         self._members: dict[str, list[int]] = {}  # a group's name → its global ranks
         self._last: Ticket | None = None
@@ -193,7 +193,7 @@ class Watchdog:
         world = dist.get_world_size()
         ranks = list(range(world)) if group is None or group is dist.group.WORLD else dist.get_process_group_ranks(group)
         name = group_key(ranks, world)
-        self._groups[id(group)] = (group, name, ranks)
+        self._groups[id(group)] = (group, name)
         self._members[name] = ranks
         return name
 
