@@ -355,7 +355,10 @@ class Engine(torch.nn.Module):
         if async_save is None:
             async_save = self.config.checkpoint.async_save
         try:
-            job = prepare_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            try:
+                job = prepare_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            finally:  # the payload holds what it needs: NVMe-offloaded state leaves host memory again
+                self.optimizer.release_checkpoint_pieces()
             if not async_save:
                 return write_and_commit(job)
             if self._background_saves is None:
@@ -443,6 +446,7 @@ class Engine(torch.nn.Module):
                     flat = piece.param.detach().reshape(-1)
                     if piece.value.data_ptr() != flat.data_ptr():
                         piece.value.copy_(flat[piece.start:piece.end].view_as(piece.value))
+                self.optimizer.release_checkpoint_pieces(modified=True)
         if self.global_rank == 0:
             self._log.info("load_checkpoint: custom_load_fn loaded the model's weights (from the checkpoint's "
                            "consolidated state_dict, in place of the load by name)")

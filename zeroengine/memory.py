@@ -22,7 +22,7 @@ class MemoryTally:
 
     def __init__(self) -> None:
         self.by_kind = dict.fromkeys(KINDS, 0)
-        self.by_place = {"cpu": 0, "device": 0}
+        self.by_place = {"cpu": 0, "device": 0, "nvme": 0}
         self._seen: set[tuple[int, str]] = set()
 
     def add(self, kind: str, tensors: Iterable[torch.Tensor | None]) -> None:
@@ -37,6 +37,11 @@ class MemoryTally:
             nbytes = storage.nbytes()
             self.by_kind[kind] += nbytes
             self.by_place["cpu" if t.device.type == "cpu" else "device"] += nbytes
+
+    def add_bytes(self, kind: str, place: str, nbytes: int) -> None:
+        """Bytes held outside any tensor: NVMe offload's swap files."""
+        self.by_kind[kind] += nbytes
+        self.by_place[place] += nbytes
 
     def add_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         for state in optimizer.state.values():

@@ -64,8 +64,6 @@ KEYS = [
     ("", "disable_python_gc", False, "yes", "true or false"),
     ("", "datastates_ckpt", False, {"host_cache_size": 16}, "set it to false"),
     ("", "vocabulary_size", None, "50257", "whole number"),
-    ("", "aio", {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
-                 "overlap_events": True, "use_gds": False}, {"block_sise": 1048576}, "aio keys"),
     ("", "data_types", {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
                         "keep_in_fp32_modules": "auto"}, {"grad_accum_dtype": "fp32"}, "training dtype"),
 ]
@@ -128,7 +126,7 @@ def test_every_row_is_in_the_unsupported_table():
     ("", "gradient_allreduce_op", "MEAN"),  # DeepSpeed lower-cases it
     ("", "disable_python_gc", True),
     ("", "vocabulary_size", 50257),
-    ("", "aio", {"use_gds": True, "queue_depth": 32}),  # only NVMe offload reads them
+    ("", "aio", {"queue_depth": 32, "single_submit": True}),  # only NVMe offload reads them
     ("", "compile", {"deepcompile": False, "offload_activation": True}),
     ("", "data_types", {"keep_in_fp32_modules": "auto"}),
 ])

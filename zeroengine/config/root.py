@@ -14,6 +14,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from .base import ConfigModel, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, rule_error
 from .errors import ConfigError
 from .sections.activation_checkpointing import ActivationCheckpointingConfig
+from .sections.aio import AioConfig
 from .sections.checkpoint import CheckpointConfig
 from .sections.compile import CompileConfig
 from .sections.expert_parallel import ExpertParallelConfig
@@ -61,6 +62,8 @@ class ZeroEngineConfig(ConfigModel):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig,
         description="Activation recompute options (see 'activation_checkpointing').")
+    aio: AioConfig = Field(default_factory=AioConfig,
+                           description="Asynchronous I/O of NVMe offload (see 'aio'); no effect without it.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
                                          description="Checkpoint save/load options (see 'checkpoint').")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig,
@@ -113,6 +116,11 @@ class ZeroEngineConfig(ConfigModel):
         except ValidationError as error:
             raise ConfigError.from_problems(problems_from(error, type(self))) from None
 
+    @field_validator("aio", mode="before")
+    @classmethod
+    def _aio_null_is_default(cls, value: Any) -> Any:
+        return {} if value is None else value  # DeepSpeed's dumped configs write "aio": null
+
     @field_validator("steps_per_print", mode="before")
     @classmethod
     def _infinity_is_never(cls, value: Any) -> Any:
@@ -130,6 +138,14 @@ class ZeroEngineConfig(ConfigModel):
         if self.fp16.enabled and self.bf16.enabled:
             raise rule_error("both fp16.enabled and bf16.enabled are true; enable at most one of them",
                              ("fp16", "enabled"))
+        return self
+
+    @model_validator(mode="after")
+    def _offload_reads_aio(self) -> "ZeroEngineConfig":
+        # The NVMe swap is built from the offload block alone; it carries the run's aio settings with it.
+        for block in (self.zero_optimization.offload_optimizer, self.zero_optimization.offload_param):
+            if block is not None:
+                block._aio = self.aio
         return self
 
     @property

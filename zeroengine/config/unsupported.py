@@ -121,11 +121,6 @@ def _weight_quantization_is_off(value: Any) -> bool:
         value.get(k) for k in ("quantized_initialization", "post_init_quant")))
 
 
-# DeepSpeed's async-I/O settings: read only by NVMe offload, which zeroengine refuses, so inert at any value.
-# thread_count: DeepSpeed's older name for intra_op_parallelism, which Lightning's presets still write.
-_AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events",
-             "use_gds")
-
 def _is_whole_or_null(value: Any) -> bool:
     return value is None or (_is_number(value) and value >= 0 and float(value).is_integer())
 
@@ -150,10 +145,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         # HuggingFace's integration writes "amp": {"enabled": "auto"}; outside its Trainer that means off.
         Unsupported("amp", Neutral("set enabled=false", "`enabled: false` or `enabled: \"auto\"`", "enabled",
                                    (False, "auto")), "NVIDIA Apex AMP"),
-        Unsupported("aio", checked("use only DeepSpeed's aio keys (" + ", ".join(_AIO_KEYS) + ")",
-                                   "any of DeepSpeed's aio keys, any values (no effect on results)",
-                                   lambda v: _has_only(v, _AIO_KEYS)),
-                    "async I/O settings of NVMe offload; zeroengine refuses NVMe offload, so they are never read"),
         Unsupported("autotuning", ENABLED_FALSE, "automatic search of ZeRO/batch settings"),
         Unsupported("comet", ENABLED_FALSE, "Comet experiment logging"),
         Unsupported("comms_logger", ENABLED_FALSE, "logging of every collective"),
@@ -270,20 +261,11 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
         Unsupported("legacy_fusion", off_value(False), "the pre-0.3 fused fp16 optimizer wrapper"),
     ),
     "zero_optimization.offload_optimizer": (
-        Unsupported("nvme_path", off_value(None), "NVMe offload, i.e. ZeRO-Infinity"),
-        Unsupported("buffer_count", off_value(4), "NVMe offload buffers"),
-        Unsupported("pipeline_read", off_value(False), "NVMe offload read pipelining"),
-        Unsupported("pipeline_write", off_value(False), "NVMe offload write pipelining"),
-        Unsupported("fast_init", off_value(False), "NVMe offload fast initialization"),
         Unsupported("super_offload", off_value(False), "SuperOffload for Superchips"),
         Unsupported("cpuadam_cores_perc", ANY_FRACTION, "share of CPU cores SuperOffload's CPU Adam uses "
                     "(SuperOffload only; zeroengine's CPU Adam uses torch's threads)"),
     ),
     "zero_optimization.offload_param": (
-        Unsupported("nvme_path", off_value(None), "NVMe offload, i.e. ZeRO-Infinity"),
-        Unsupported("buffer_count", off_value(5), "NVMe offload buffers"),
-        Unsupported("buffer_size", off_value(100_000_000), "NVMe offload buffers"),
-        Unsupported("max_in_cpu", off_value(1_000_000_000), "NVMe offload CPU cache"),
     ),
     "fp16": (
         Unsupported("fp16_master_weights_and_grads", off_value(False), "fp16 master weights"),
@@ -313,24 +295,24 @@ def unsupported_keys_at(section: str) -> List[str]:
     return [entry.key for entry in UNSUPPORTED.get(section, ())]
 
 
-# NVMe offload's own keys. They configure nothing while the offload device is not NVMe, so they are inert
-# then at any value: Lightning's presets write them with "device": "cpu" (nvme_path "/local_nvme", ...).
+# NVMe offload's own keys and their defaults. They configure nothing while the offload device is not NVMe:
+# Lightning's presets write them beside "device": "cpu" (nvme_path "/local_nvme", ...); one line says so.
 _NVME_ONLY = {
-    "zero_optimization.offload_optimizer": ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write",
-                                            "fast_init"),
-    "zero_optimization.offload_param": ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"),
+    "zero_optimization.offload_optimizer": {"nvme_path": None, "buffer_count": 4, "pipeline_read": False,
+                                            "pipeline_write": False, "fast_init": False},
+    "zero_optimization.offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000,
+                                        "max_in_cpu": 1_000_000_000},
 }
 
 
 def drop_inert_nvme_keys(data: Dict[str, Any]) -> None:
     """Remove NVMe-only offload keys from offload blocks whose device is not NVMe, saying so in one line."""
-    for section, keys in _NVME_ONLY.items():
+    for section, defaults in _NVME_ONLY.items():
         block = _find(data, section)
         if not isinstance(block, dict) or block.get("device") == "nvme":
-            continue  # (device "nvme" itself is refused by the offload section, naming the key)
-        present = [key for key in keys if key in block]
-        defaults = {entry.key: entry.neutral for entry in UNSUPPORTED[section]}
-        if any(not defaults[key].accepts(block[key]) for key in present):
+            continue
+        present = [key for key in defaults if key in block]
+        if any(block[key] != defaults[key] for key in present):
             logger.info("config: %s.{%s} ignored: they configure NVMe offload, and the device is %r",
                         section, ", ".join(present), block.get("device"))
         for key in present:

@@ -61,7 +61,7 @@ class OffloadedStep:
 
     def __init__(self, optimizer, layout, rank: int, chunks: list[torch.Tensor],
                  pieces: list[list[torch.nn.Parameter]], copy_dtype: torch.dtype | None, pin_memory: bool,
-                 buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, swapper=None):
         self.optimizer = optimizer
         self.layout = layout
         self.rank = rank
@@ -78,6 +78,7 @@ class OffloadedStep:
         self._stream = None
         self._pending: list[tuple] = [None, None]
         self._readers: list = [None, None]  # per staging buffer: waits until the last send has read it
+        self.swapper = swapper  # device "nvme": brings each bucket's masters and state in, and back out
 
     @torch.no_grad()
     def run(self, device_grads: list[torch.Tensor | None], inv_scale: float, clip_coef: float,
@@ -87,15 +88,23 @@ class OffloadedStep:
         buffer, or the fp32 chunk) back while the next bucket steps; it returns a callable that waits until
         ``values`` has been read (or None), called before the staging buffer is written again."""
         order = self.buckets
+        if self.swapper is not None:
+            self.swapper.start(order)
         for i in range(min(2, len(order))):
             self._copy_down(i, order[i], device_grads[order[i]])
         for i, b in enumerate(order):
             grad = self._wait(i, b)
             unscale_and_clip(grad, inv_scale, clip_coef)
+            if self.swapper is not None:
+                self.swapper.bring_in(i)
             values = self._step_bucket(i, b, self.layout.buckets[b], grad)
             self._readers[i % 2] = bucket_done(b, values)
+            if self.swapper is not None:  # fp32 training sends the masters themselves: the slot waits for it
+                self.swapper.send_out(i, self._readers[i % 2] if self.copy_buffers is None else None)
             if i + 2 < len(order):  # the buffer this bucket used is free again
                 self._copy_down(i + 2, order[i + 2], device_grads[order[i + 2]])
+        if self.swapper is not None:
+            self.swapper.finish()
         for i in range(len(self._readers)):  # the next step writes the staging buffers again
             self._wait_read(i)
 

@@ -199,6 +199,7 @@ class ExpertShardedOptimizer(ZeroOptimizer):
             tally.add("grads", part._fp32_chunk_grads)
             tally.add("master_params", part.chunks)  # views of the parameters were counted above
             tally.add("buffers", part.offload_buffers())
+            part.add_nvme_tally(tally)
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         for part in self.parts:
@@ -215,3 +216,7 @@ class ExpertShardedOptimizer(ZeroOptimizer):
     def after_checkpoint_load(self) -> None:
         for part in self.parts:
             part.after_checkpoint_load()
+
+    def release_checkpoint_pieces(self, modified: bool = False) -> None:
+        for part in self.parts:
+            part.release_checkpoint_pieces(modified)

@@ -183,6 +183,10 @@ class ZeroOptimizer:
         """The pieces' values were overwritten: bring the model's parameters in line with them."""
         raise NotImplementedError
 
+    def release_checkpoint_pieces(self, modified: bool = False) -> None:
+        """The caller is done with :meth:`checkpoint_pieces` (``modified``: it wrote their values or state):
+        state kept on NVMe goes back to the drive and its host memory is freed."""
+
     def land_delayed_update(self) -> None:
         """offload_optimizer.delayed_update: write the update still on its way into the model's parameters
         (collective). At the next step's start, before a save and a modifying GatheredParameters."""

@@ -24,12 +24,14 @@ written into the model at the start of the next step (:meth:`land_delayed_update
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 
 from zeroengine import comm
 from zeroengine.memory import MemoryTally
 from zeroengine.offload import DelayedUpdate, OffloadedStep, place_buckets
+from zeroengine.offload.nvme import optimizer_swapper
 
 from .flat_params import gather_chunk
 from .layout import FlatLayout
@@ -53,16 +55,27 @@ class ShardedOptimizer(ZeroOptimizer):
         self.offload = offload
         self.placement = None if offload is None else place_buckets([b.chunk_numel for b in buckets],
                                                                    float(offload.ratio))
-        self.chunks = [self._stepped_chunk(b, fp32_values) for b in buckets]
-        self.pieces = [self._pieces_of(i) for i in range(len(buckets))]
         host = sorted(self.placement.host_buckets) if self.placement is not None else []
+        self.chunks: list[torch.Tensor] = []
+        self.pieces: list[list[torch.nn.Parameter]] = []
+        # device "nvme": the offloaded buckets' masters and optimizer state live in swap files, each bucket
+        # written as soon as its masters are made (zeroengine/offload/nvme/optimizer_swap.py).
+        self.swapper = None
+        if host and offload.device == "nvme":
+            self.swapper = optimizer_swapper(offload, optimizer, self.chunks, self.pieces, self.layout, rank, host,
+                                             pin=bool(offload.pin_memory) and torch.cuda.is_available())
+        for bucket in buckets:
+            self.chunks.append(self._stepped_chunk(bucket, fp32_values))
+            self.pieces.append(self._pieces_of(bucket.index))
+            if self.swapper is not None and self.on_host(bucket.index):
+                self.swapper.store_initial(bucket.index)
         # Offload: the step streams gradients down bucket by bucket (zeroengine/offload/step.py). In 16-bit
         # training the C++ CPU Adam writes each updated value out in the model's dtype in the same pass
         # (into pinned staging buffers), so the copy back needs no conversion.
         copy_dtype = policy.param_dtype if policy.mixed and hasattr(optimizer, "step_with_copy") else None
         self.offloaded_step = None if not host else OffloadedStep(
             optimizer, self.layout, rank, self.chunks, self.pieces, copy_dtype, bool(offload.pin_memory),
-            buckets=host)
+            buckets=host, swapper=self.swapper)
         self.delayed = None if not host or not offload.delayed_update else DelayedUpdate(
             optimizer, self.layout, rank, self.pieces, host, bool(offload.pin_memory),
             offload.delayed_update_warmup_steps)
@@ -170,8 +183,15 @@ class ShardedOptimizer(ZeroOptimizer):
         self.wait_delayed_update()
         bucket = self.layout.buckets[bucket_index]
         src = self.flat_params.chunk_view(bucket, self.rank)
-        if self.chunks[bucket_index].data_ptr() != src.data_ptr():
-            self.chunks[bucket_index].copy_(src)
+        with self._resident(bucket_index):
+            if self.chunks[bucket_index].data_ptr() != src.data_ptr():
+                self.chunks[bucket_index].copy_(src)
+
+    def _resident(self, bucket_index: int):
+        """The bucket's masters (and state) in host memory for the block: a no-op unless they are on NVMe."""
+        if self.swapper is None or not self.on_host(bucket_index):
+            return nullcontext()
+        return self.swapper.resident(bucket_index)
 
     def _unscaled_fp32_grads(self, inv_scale: float) -> list[torch.Tensor]:
         """Resident buckets' gradients unscaled in fp32 (set as their pieces' .grad), then the offloaded
@@ -299,6 +319,8 @@ class ShardedOptimizer(ZeroOptimizer):
                 "in the module's weights; save_checkpoint before destroy() keeps it")
         self.discard_delayed_update()  # local: destroy() must not wait on other ranks
         self.grad_store.remove_hooks()
+        if self.swapper is not None:
+            self.swapper.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad_store.zero()
@@ -314,7 +336,8 @@ class ShardedOptimizer(ZeroOptimizer):
         delayed_update, the whole offloaded gradient shard in fp32)."""
         if self.offloaded_step is None:
             return []
-        return self.offloaded_step.held_tensors() + (self.delayed.held_tensors() if self.delayed else [])
+        return (self.offloaded_step.held_tensors() + (self.delayed.held_tensors() if self.delayed else [])
+                + (self.swapper.pool_tensors() if self.swapper else []))
 
     def memory_tally(self) -> MemoryTally:
         self.wait_if_creating_state()
@@ -328,11 +351,18 @@ class ShardedOptimizer(ZeroOptimizer):
         # (16-bit training, offloaded buckets, or resident copies of a shard offload_param keeps on the host).
         tally.add("master_params", self.chunks)
         tally.add("buffers", self.offload_buffers())
+        self.add_nvme_tally(tally)
         tally.add_optimizer_state(self.optimizer)
         tally.add("buffers", self.module.buffers())
         tally.add("buffers", self.grad_store.comm_buffers())
         self.add_stage_tally(tally)
         return tally
+
+    def add_nvme_tally(self, tally: MemoryTally) -> None:
+        """The masters and optimizer state that live in swap files (offload_optimizer device "nvme")."""
+        if self.swapper is not None:
+            for kind, nbytes in self.swapper.nvme_bytes().items():
+                tally.add_bytes(kind, "nvme", nbytes)
 
     def add_stage_tally(self, tally: MemoryTally) -> None:
         """What a stage holds beyond the parts every sharded stage has (stage 3: frozen and spare buffers)."""
@@ -342,10 +372,19 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def checkpoint_pieces(self) -> list[StatePiece]:
         self.wait_delayed_update()
+        if self.swapper is not None:  # every value at once, until release_checkpoint_pieces
+            self.swapper.materialize_all()
         params = self.flat_params.params
         return [StatePiece(params[where.slot.index], where.param_start, where.param_end, piece, piece)
                 for bucket, pieces in zip(self.layout.buckets, self.pieces)
                 for where, piece in zip(bucket.pieces_in_chunk(self.rank), pieces)]
 
     def after_checkpoint_load(self) -> None:
+        if self.swapper is not None:
+            self.swapper.materialize_all()
         self.flat_params.after_step(self.chunks)
+        self.release_checkpoint_pieces(modified=True)
+
+    def release_checkpoint_pieces(self, modified: bool = False) -> None:
+        if self.swapper is not None:
+            self.swapper.release_all(write=modified)

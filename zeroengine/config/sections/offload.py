@@ -1,35 +1,62 @@
-"""``zero_optimization.offload_optimizer`` / ``offload_param``: moving model states to CPU memory.
+"""``zero_optimization.offload_optimizer`` / ``offload_param``: moving model states off the accelerator.
 
-zeroengine offloads to CPU memory only. DeepSpeed's NVMe tier (ZeRO-Infinity)
-is not implemented, so ``device: "nvme"`` is an error rather than a silent
-fallback to CPU; the NVMe-only tuning keys are listed in ``unsupported.py``.
+``device: "cpu"`` keeps them in host memory; ``device: "nvme"`` (DeepSpeed's
+ZeRO-Infinity) keeps them in files under ``nvme_path`` and brings them through
+a bounded pool of host buffers when they are needed (:mod:`zeroengine.offload.nvme`,
+tuned by the ``aio`` section). Parameter offload to NVMe is not implemented
+yet: it is refused, naming the key, rather than falling back to CPU.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from ..base import ConfigModel, Fraction, NonNegativeInt
+from ..base import ConfigModel, Fraction, NonNegativeInt, PositiveInt, rule_error
+from .aio import AioConfig
 
-OffloadDevice = Literal["cpu", "none"]
+OffloadDevice = Literal["cpu", "nvme", "none"]
 
-
-def _check_device(value: object) -> object:
-    if value == "nvme":
-        raise ValueError("NVMe offload (DeepSpeed's ZeRO-Infinity) is not implemented by zeroengine; "
-                         "use 'cpu', or 'none' for no offload")
-    return value
+_NVME_PATH = ("Folder (on a fast local drive) under which this run keeps its swap files, in a per-run folder "
+              "removed at engine.destroy() or exit. Required with device 'nvme'; it must exist, be writable and "
+              "have room for the swapped state (checked before training starts).")
 
 
-class OffloadOptimizerConfig(ConfigModel):
-    """Keep fp32 master weights and optimizer states in CPU memory and step the optimizer there."""
+class _OffloadBlock(ConfigModel):
+    _aio: AioConfig | None = PrivateAttr(None)  # the run's aio section, set by the root config
+
+    @property
+    def aio(self) -> AioConfig:
+        """The ``aio`` settings the NVMe swap uses (the section's defaults for a block built on its own)."""
+        return self._aio if self._aio is not None else AioConfig()
+
+
+def _check_nvme_path(block) -> None:
+    if block.device == "nvme" and not block.nvme_path:
+        raise rule_error("device 'nvme' needs nvme_path: the folder to keep the swap files in", ("nvme_path",))
+
+
+class OffloadOptimizerConfig(_OffloadBlock):
+    """Keep fp32 master weights and optimizer states off the accelerator and step the optimizer on the CPU."""
 
     device: OffloadDevice = Field(
-        description="'cpu' to offload; 'none' disables offload (the same as leaving the block out). "
+        description="'cpu' (host memory) or 'nvme' (files under nvme_path, streamed through host buffers) to "
+                    "offload; 'none' disables offload (the same as leaving the block out). "
                     "Required: a block without a device would otherwise do nothing.")
     pin_memory: bool = Field(False, description="Use page-locked CPU buffers, for faster and asynchronous "
                                                 "GPU<->CPU copies (needs CUDA).")
+    nvme_path: Optional[str] = Field(None, description="device 'nvme': " + _NVME_PATH)
+    buffer_count: PositiveInt = Field(
+        4, description="device 'nvme': host buffers the swap streams through, each one reduce bucket's share "
+                       "of masters and optimizer state (host memory: buffer_count x that). With pipeline_read, "
+                       "up to buffer_count - 1 buckets are read ahead of the one stepping.")
+    pipeline_read: bool = Field(False, description="device 'nvme': read the next buckets' state while the CPU "
+                                                   "steps this one (false: read each when its turn comes).")
+    pipeline_write: bool = Field(False, description="device 'nvme': write a stepped bucket's state back while the "
+                                                    "CPU steps the next (false: wait for each write).")
+    fast_init: bool = Field(False, description="device 'nvme': accepted, no effect: the masters are always "
+                                               "written to the drive one bucket at a time as they are made, and "
+                                               "the optimizer state at its first step.")
     ratio: Fraction = Field(
         1.0, description="Fraction of this rank's optimizer state kept in CPU memory and stepped by the CPU "
                          "optimizer; the rest stays on the accelerator and steps there, while the CPU steps its "
@@ -45,21 +72,46 @@ class OffloadOptimizerConfig(ConfigModel):
                            "offloaded gradient shard in CPU memory. Between steps the module's weights lag the "
                            "masters by that one update (engine.module.state_dict() at stages 1-2, a read-only "
                            "GatheredParameters at stage 3); save_checkpoint, save_16bit_model and a modifying "
-                           "GatheredParameters apply it first, destroy() does not.")
+                           "GatheredParameters apply it first, destroy() does not. device 'cpu' only.")
     delayed_update_warmup_steps: NonNegativeInt = Field(
         40, description="Optimizer steps taken without delay before delayed_update starts (as ZeRO-Offload "
                         "does: the first steps, when weights move most, use fresh gradients).")
 
-    _device_is_supported = field_validator("device", mode="before")(_check_device)
+    @model_validator(mode="after")
+    def _nvme_rules(self) -> "OffloadOptimizerConfig":
+        _check_nvme_path(self)
+        if self.device == "nvme" and self.delayed_update:
+            raise rule_error("delayed_update with device 'nvme' is not implemented: the background step would "
+                             "stream the state from the drive during the next forward; use device 'cpu' for the "
+                             "delayed update, or set delayed_update to false",
+                             ("delayed_update",))
+        return self
 
 
-class OffloadParamConfig(ConfigModel):
+class OffloadParamConfig(_OffloadBlock):
     """Keep 16-bit parameter shards in CPU memory between uses (ZeRO stage 3 only)."""
 
     device: OffloadDevice = Field(
-        description="'cpu' to offload; 'none' disables offload (the same as leaving the block out). "
+        description="'cpu' to offload; 'none' disables offload (the same as leaving the block out). 'nvme' is "
+                    "not implemented yet for parameters (offload_optimizer has it). "
                     "Required: a block without a device would otherwise do nothing.")
     pin_memory: bool = Field(False, description="Use page-locked CPU buffers, for faster and asynchronous "
                                                 "GPU<->CPU copies (needs CUDA).")
+    nvme_path: Optional[str] = Field(None, description="device 'nvme': " + _NVME_PATH)
+    buffer_count: PositiveInt = Field(5, description="device 'nvme': host buffers parameter reads go through.")
+    buffer_size: PositiveInt = Field(100_000_000, description="device 'nvme': elements per parameter buffer.")
+    max_in_cpu: NonNegativeInt = Field(1_000_000_000, description="device 'nvme': parameter elements kept in host "
+                                                                  "memory rather than on the drive.")
 
-    _device_is_supported = field_validator("device", mode="before")(_check_device)
+    @field_validator("device", mode="before")
+    @classmethod
+    def _nvme_not_yet(cls, value: object) -> object:
+        if value == "nvme":
+            raise ValueError("parameter offload to NVMe is not implemented yet (optimizer offload to NVMe is: "
+                             "zero_optimization.offload_optimizer.device 'nvme'); use 'cpu', or 'none'")
+        return value
+
+    @model_validator(mode="after")
+    def _nvme_rules(self) -> "OffloadParamConfig":
+        _check_nvme_path(self)
+        return self
