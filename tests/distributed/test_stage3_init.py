@@ -244,11 +244,20 @@ def test_remote_device_defaults_to_the_configs_param_offload(remote_device, conf
     assert ctx.remote_device == (None if expected is None else torch.device(expected))
 
 
-@pytest.mark.parametrize("remote_device,message", [("nvme", "NVMe"), ("cuda", "expected 'cpu'")])
-def test_unsupported_remote_device_is_refused_by_name(remote_device, message):
+@pytest.mark.parametrize("remote_device,config,message", [
+    ("nvme", None, "offload_param.nvme_path"),  # NVMe needs the config's nvme_path
+    ("nvme", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param.nvme_path"),
+    ("cuda", None, "expected 'cpu', 'nvme'")])
+def test_unsupported_remote_device_is_refused_by_name(remote_device, config, message):
     with pytest.raises(ValueError, match=message) as info:
-        Init(remote_device=remote_device)
+        Init(config=config, remote_device=remote_device)
     assert "remote_device" in str(info.value)
+
+
+def test_remote_device_follows_an_nvme_param_offload(tmp_path):
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    assert Init(config=config).remote_device == "nvme" == Init(config=config, remote_device="nvme").remote_device
+    assert Init(config=config, remote_device="cpu").remote_device == torch.device("cpu")
 
 
 def _converted_before_initialize(rank, world, remote_device):

@@ -30,8 +30,10 @@ def test_nvme_keys_beside_a_cpu_device_are_inert_and_say_so(caplog):
     nvme = load_config(data).zero_optimization.offload_optimizer
     assert nvme.nvme_path == "/local_nvme" and nvme.buffer_count == 4 and nvme.aio.thread_count == 1
     data["zero_optimization"]["offload_param"]["device"] = "nvme"
-    with pytest.raises(ConfigError, match="zero_optimization.offload_param.device: parameter offload to NVMe is "
-                                          "not implemented yet"):
+    param = load_config(data).zero_optimization.offload_param
+    assert (param.buffer_count, param.buffer_size, param.max_in_cpu) == (5, 100_000_000, 1_000_000_000)
+    del data["zero_optimization"]["offload_param"]["nvme_path"]
+    with pytest.raises(ConfigError, match="zero_optimization.offload_param.nvme_path: device 'nvme' needs"):
         load_config(data)
 
 

@@ -94,8 +94,9 @@ MISTAKES = [
      "zero_optimization.offload_optimizer", ["stage 1, 2 or 3"]),
     ("offload device missing", with_base(zero_optimization={"stage": 2, "offload_optimizer": {"pin_memory": True}}),
      1, "zero_optimization.offload_optimizer.device", ["required key is missing"]),
-    ("parameter offload to nvme", with_base(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}),
-     1, "zero_optimization.offload_param.device", ["NVMe", "not implemented yet"]),
+    ("parameter offload to nvme without a path", with_base(zero_optimization={
+        "stage": 3, "offload_param": {"device": "nvme"}}), 1, "zero_optimization.offload_param.nvme_path",
+     ["device 'nvme' needs nvme_path"]),
     ("nvme without nvme_path", with_base(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
      1, "zero_optimization.offload_optimizer.nvme_path", ["device 'nvme' needs nvme_path"]),
     ("nvme with the delayed update", with_base(zero_optimization={"stage": 2, "offload_optimizer": {

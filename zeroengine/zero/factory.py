@@ -14,6 +14,7 @@ import torch
 
 from zeroengine import comm
 from zeroengine.config import ConfigError
+from zeroengine.offload.nvme import InCpuBudget
 from zeroengine.parallel.mesh import ProcessMesh, data_parallel_mesh
 from zeroengine.precision.master_weights import MasterWeights
 from zeroengine.tensor_parallel.layers import split_of
@@ -223,6 +224,8 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     # domain then: an MoE model built under Init is refused by build_zero_optimizer).
     reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.mixed)
     stats = FetchStats()  # shared by all the buffers
+    offload = zero_config.offload_param  # device "nvme": max_in_cpu is shared by the buffers, in build order
+    in_cpu = InCpuBudget(int(offload.max_in_cpu)) if offload is not None and offload.device == "nvme" else None
 
     def buffer_of(part: Stage3Params, offset: int, d: ParamDomain, source):
         layout = build_layout([full_shape(p).numel() for p in part.params], d.world, bucket_numel,
@@ -231,7 +234,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
             part.params, layout, policy.param_dtype, d.rank, group=d.group, names=part.names,
             persistent=persistent_buckets(layout, part.persistent_from), stats=stats,
             chunk_source=lambda bucket: source.chunk(_shifted(bucket, offset), policy.param_dtype),
-            offload=zero_config.offload_param)
+            offload=offload, in_cpu_budget=in_cpu)
 
     everyone = data  # frozen parameters: partitioned over the data-parallel group
     if len(parts) == 1:

@@ -41,6 +41,15 @@ class ParamBuffer:
     def full_shape(self, index: int) -> torch.Size:
         return self.shapes[index]
 
+    def on_drive(self, bucket: Bucket) -> bool:
+        """Whether the bucket's chunk is on NVMe (only stage 3's parameter offload puts it there)."""
+        return False
+
+    def read_chunk(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's chunk of ``bucket``: a view where the buffer holds it (stage 3 with parameters on NVMe: a
+        new tensor read from the drive)."""
+        return self.chunk_view(bucket, self.rank)
+
     def check_attached(self) -> None:
         """Raise if the model's parameters no longer live in this buffer. Nothing to check here: stage 3's
         parameters refuse a cast or move themselves (their class guards them); stages 1-2 override it."""

@@ -48,7 +48,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     owner, bucket, slot, shape = _entry(param)
     if owner is None:  # a frozen stage-3 parameter: its partitioned buffer is all there is
         buffer = record_of(param).buffer
-        return _gather_slice(None, bucket, slot, shape, buffer.chunk_view(bucket, buffer.rank).float(), buffer)
+        return _gather_slice(None, bucket, slot, shape, buffer.read_chunk(bucket).float(), buffer)
     return _gather_slice(owner, bucket, slot, shape, owner.chunks[bucket.index].float())
 
 

@@ -104,7 +104,7 @@ class GatheredParameters:
                 with torch.no_grad():
                     lo, hi = bucket.chunk_range(buffer.rank)
                     start = lo - bucket.flat_start
-                    buffer.chunk_view(bucket, buffer.rank).copy_(full[start:start + (hi - lo)])
+                    buffer.store_chunk(bucket, full[start:start + (hi - lo)])
                 if owner is not None:  # frozen parameters have no master chunk
                     owner.load_chunk_from_params(bucket.index)
             if not was_gathered:
@@ -122,9 +122,7 @@ class GatheredParameters:
                 full = p.detach().reshape(-1)
                 if self.modifier_rank is not None and exc_type is None:
                     comm.broadcast(full, src=self.modifier_rank, group=shard.group)
-                    lo = min(shard.rank * shard.chunk, shard.numel)
-                    hi = min(lo + shard.chunk, shard.numel)
-                    shard.shard[:hi - lo].copy_(full[lo:hi])
+                    shard.set_own(full)
                 # (read-only: the slices keep their values; an edit on one rank would land in its slice only)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             mark_partitioned(p)

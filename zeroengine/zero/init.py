@@ -58,29 +58,54 @@ _OVERWRITE = frozenset({"normal_", "uniform_", "zero_", "fill_", "copy_", "rando
 
 class InitShard:
     """This rank's flat slice of one parameter built under Init (kept on ``device``, default: the
-    parameter's own)."""
+    parameter's own; with ``swap``, remote_device "nvme", in a region of its file instead)."""
 
     def __init__(self, flat: torch.Tensor, rank: int, world: int, group, device: torch.device | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, swap=None):
         self.numel = flat.numel()
         self.rank, self.world, self.group = rank, world, group
         self.chunk = -(-self.numel // world)
         self.compute_device = flat.device  # where the full value is built and gathered
         self.home = device  # remote_device: the slice stays there whatever device the model moves to
         self.pin = pin_memory and device is not None and device.type == "cpu" and torch.cuda.is_available()
+        self.swap = swap
+        self.region = None  # (offset, dtype, numel) in the swap file
         self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device if device is None else device,
                                  pin_memory=self.pin)
-        lo, hi = min(rank * self.chunk, self.numel), min((rank + 1) * self.chunk, self.numel)
-        self.shard[:hi - lo].copy_(flat[lo:hi])
+        self.set_own(flat)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.region[1] if self.region is not None else self.shard.dtype
 
     @property
     def nbytes(self) -> int:
-        return self.shard.numel() * self.shard.element_size()
+        """Host (or device) bytes the slice holds: none when it is on the drive."""
+        return 0 if self.swap is not None else self.shard.numel() * self.shard.element_size()
+
+    def own_values(self) -> torch.Tensor:
+        """The slice (``chunk`` elements, the tail past the parameter's end zero)."""
+        return self.swap.read(self.region) if self.swap is not None else self.shard
+
+    def set_own(self, flat: torch.Tensor) -> None:
+        """Keep this rank's slice of the full flat value ``flat``."""
+        lo, hi = min(self.rank * self.chunk, self.numel), min((self.rank + 1) * self.chunk, self.numel)
+        if self.swap is None:
+            self.shard[:hi - lo].copy_(flat[lo:hi])
+            return
+        values = torch.zeros(self.chunk, dtype=flat.dtype)
+        values[:hi - lo].copy_(flat[lo:hi])
+        if self.region is not None and self.region[1] == values.dtype:
+            self.swap.rewrite(self.region, values)
+        else:
+            self.region = self.swap.write(values)
+        self.shard = torch.empty(0, dtype=flat.dtype)  # nothing in memory: the file has it
 
     def full_flat(self) -> torch.Tensor:
         """The parameter's full flat value (collective: every rank calls it for the same parameter)."""
-        full = torch.empty(self.chunk * self.world, dtype=self.shard.dtype, device=self.compute_device)
-        own = self.shard.to(self.compute_device, non_blocking=self.shard.is_pinned())
+        full = torch.empty(self.chunk * self.world, dtype=self.dtype, device=self.compute_device)
+        own = self.own_values()
+        own = own.to(self.compute_device, non_blocking=own.is_pinned())
         comm.all_gather(full, own, group=self.group)
         return full[:self.numel]
 
@@ -90,6 +115,11 @@ class InitShard:
         placeholder went."""
         with torch._C.DisableTorchFunction():
             placeholder = func(param, *args, **kwargs)
+            if self.swap is not None:  # on the drive: a new region in the new dtype
+                values = func(self.own_values(), *args, **kwargs).to("cpu")
+                self.region = self.swap.write(values)
+                self.compute_device = placeholder.device
+                return placeholder
             shard = func(self.shard, *args, **kwargs)
             if self.home is not None and shard.device != self.home:
                 shard = shard.to(self.home)
@@ -102,9 +132,10 @@ class _InitState:
     """The context's bookkeeping: the active parameter and the bytes held."""
 
     def __init__(self, rank: int, world: int, group, remote_device: torch.device | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, swap=None):
         self.rank, self.world, self.group = rank, world, group
         self.remote_device, self.pin_memory = remote_device, pin_memory
+        self.swap = swap  # remote_device "nvme": the file the slices go to
         self.active: torch.nn.Parameter | None = None
         self.held_bytes = 0  # slices of every live partitioned parameter + the active full value
         self.peak_bytes = 0
@@ -122,7 +153,7 @@ class _InitState:
         info = info_of(p)
         shard = info.init_shard
         with torch._C.DisableTorchFunction():
-            full = shard.full_flat() if read_values else torch.empty(shard.numel, dtype=shard.shard.dtype,
+            full = shard.full_flat() if read_values else torch.empty(shard.numel, dtype=shard.dtype,
                                                                      device=shard.compute_device)
             p.data = full.view(info.shape)
         mark_gathered(p)
@@ -134,7 +165,8 @@ class _InitState:
         self.flush()
         with torch._C.DisableTorchFunction():
             flat = p.detach().reshape(-1)
-            shard = InitShard(flat, self.rank, self.world, self.group, self.remote_device, self.pin_memory)
+            shard = InitShard(flat, self.rank, self.world, self.group, self.remote_device, self.pin_memory,
+                              self.swap)
         mark_partitioned(p, name, p.shape)
         mark_gathered(p)
         info_of(p).init_shard = shard
@@ -152,15 +184,15 @@ class _InitState:
         shard = info.init_shard
         with torch._C.DisableTorchFunction():
             flat = p.detach().reshape(-1)
-            lo, hi = min(shard.rank * shard.chunk, shard.numel), min((shard.rank + 1) * shard.chunk, shard.numel)
-            shard.shard[:hi - lo].copy_(flat[lo:hi])
+            shard.set_own(flat)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         mark_partitioned(p)
         self.active = None
         nbytes = flat.numel() * flat.element_size()
         del flat
         self._count(-nbytes)
-        if nbytes >= _TRIM_ABOVE and (p.device.type == "cpu" or shard.shard.device.type == "cpu"):
+        if nbytes >= _TRIM_ABOVE and (p.device.type == "cpu" or shard.swap is not None
+                                      or shard.shard.device.type == "cpu"):
             _return_free_heap()
 
 
@@ -259,9 +291,10 @@ class Init:
         if isinstance(config, torch.nn.Module) and module is None:  # DeepSpeed's first positional argument
             config, module = None, config
         # config_dict_or_path: DeepSpeed's name for ``config``
-        stage, offloads_params = _zero_settings(config if config is not None else config_dict_or_path)
+        stage, offload = _zero_settings(config if config is not None else config_dict_or_path)
         self.enabled = enabled and stage in (None, 3)
-        self.remote_device = _remote_device(remote_device, self.enabled and offloads_params)
+        self.offload = offload  # the config's offload_param block (None: no parameter offload)
+        self.remote_device = _remote_device(remote_device, offload if self.enabled else None)
         self.pin_memory = bool(pin_memory)
         self.group = data_parallel_group if data_parallel_group is not None else _mpu_data_group(mpu)
         self.dtype = _float_dtype(dtype)
@@ -336,8 +369,13 @@ class Init:
 
     def _new_state(self) -> _InitState:
         comm.init_distributed()
+        swap = None
+        if self.remote_device == NVME:  # the slices go to a file under offload_param.nvme_path
+            from zeroengine.offload.nvme.init_swap import AppendSwap
+
+            swap = AppendSwap(self.offload.nvme_path, self.offload.aio.handle_args())
         return _InitState(comm.get_rank_in(self.group), comm.get_world_size(self.group), self.group,
-                          self.remote_device, self.pin_memory)
+                          torch.device("cpu") if swap is not None else self.remote_device, self.pin_memory, swap)
 
     def partition_module(self, module: torch.nn.Module) -> None:
         """Partition the parameters of ``module``, built outside Init, as if it had been built inside
@@ -407,34 +445,52 @@ def _float_dtype(dtype) -> torch.dtype | None:
     return dtype
 
 
-def _remote_device(remote_device, offloads_params: bool) -> torch.device | None:
-    """DeepSpeed's ``remote_device``: "cpu" keeps the slices in CPU memory; None or "none" leaves them where
-    the parameter is built, unless the config offloads parameters (then CPU, as DeepSpeed does)."""
+NVME = "nvme"  # remote_device: the slices go to a swap file
+
+
+def _remote_device(remote_device, offload) -> torch.device | str | None:
+    """DeepSpeed's ``remote_device``: "cpu" keeps the slices in CPU memory, "nvme" in a file under the config's
+    ``offload_param.nvme_path``; None or "none" leaves them where the parameter is built, unless the config
+    offloads parameters (``offload``: its offload_param block), then they go where it offloads them, as
+    DeepSpeed does."""
     if remote_device in (None, "none"):
-        return torch.device("cpu") if offloads_params else None
-    if remote_device == "nvme":
-        raise ValueError("zero.Init(remote_device='nvme'): NVMe offload (ZeRO-Infinity) is not implemented by "
-                         "zeroengine; use 'cpu' or None")
+        if offload is None:
+            return None
+        return NVME if offload.device == NVME else torch.device("cpu")
+    if remote_device == NVME:
+        if offload is None or not offload.nvme_path:
+            raise ValueError("zero.Init(remote_device='nvme') writes the slices under the config's "
+                             "zero_optimization.offload_param.nvme_path: pass a config with that offload_param "
+                             "block ({\"device\": \"nvme\", \"nvme_path\": ...})")
+        return NVME
     if str(remote_device) != "cpu":
-        raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'cpu', 'none' or None (the "
-                         "slices stay on the device the model is built on)")
+        raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected 'cpu', 'nvme', 'none' or None "
+                         "(the slices stay on the device the model is built on)")
     return torch.device("cpu")
 
 
-def _zero_settings(config) -> tuple[int | None, bool]:
-    """(ZeRO stage, whether parameters are offloaded) of a config dict, parsed config or path (read once);
-    (None, False) without a config."""
+def _zero_settings(config):
+    """(ZeRO stage, the offload_param block or None) of a config dict, parsed config or path (read once);
+    (None, None) without a config."""
     if config is None:
-        return None, False
-    if isinstance(config, dict):
+        return None, None
+    if isinstance(config, dict):  # read as given (integrations pass configs with "auto" still in them)
         zero = config.get("zero_optimization") or {}
-        return zero.get("stage", 0), (zero.get("offload_param") or {}).get("device") == "cpu"
+        block = zero.get("offload_param") or {}
+        if block.get("device") not in ("cpu", NVME):
+            return zero.get("stage", 0), None
+        from zeroengine.config.sections.aio import AioConfig
+        from zeroengine.config.sections.offload import OffloadParamConfig
+
+        offload = OffloadParamConfig.model_validate(block)
+        offload._aio = AioConfig.model_validate(config.get("aio") or {})
+        return zero.get("stage", 0), offload
     zero = getattr(config, "zero_optimization", None)
     if zero is None:
         from zeroengine.config import load_config
 
         zero = load_config(config, world_size=comm.get_world_size()).zero_optimization
-    return zero.stage, zero.offload_param is not None
+    return zero.stage, zero.offload_param
 
 
 def is_init_partitioned(p: torch.Tensor) -> bool:
@@ -457,6 +513,7 @@ class InitReshard:
         self.rank = rank
         self.keep_fp32 = keep_fp32
         self._fp32_pieces: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+        self._spill = None  # remote_device "nvme": the fp32 pieces wait on the drive too
 
     def chunk(self, bucket, dtype: torch.dtype) -> torch.Tensor:
         device = comm.device_for_backend()
@@ -472,22 +529,38 @@ class InitReshard:
             if piece is not None:
                 value = flat[piece.param_start:piece.param_end]
                 chunk[piece.chunk_start:piece.chunk_start + piece.numel].copy_(value)
-                if self.keep_fp32:  # beside the Init slices (CPU memory with remote_device="cpu")
-                    home = self._home_of(p)
+                if self.keep_fp32:  # beside the Init slices (CPU memory with remote_device="cpu", or the drive)
                     self._fp32_pieces.setdefault(slot.index, {})[(piece.param_start, piece.param_end)] = \
-                        value.to(device=home, dtype=torch.float32, copy=True)
+                        self._keep(p, value.to(dtype=torch.float32))
             del flat
         return chunk
 
+    def _keep(self, p: torch.nn.Parameter, value: torch.Tensor):
+        """An fp32 piece kept until the masters are made: where the parameter's slice lives."""
+        shard = info_of(p).init_shard if is_init_partitioned(p) else None
+        if shard is None or shard.swap is None:
+            return value.to(device=self._home_of(p), copy=True)
+        if self._spill is None:
+            self._spill = shard.swap.sibling("fp32_pieces.swp")
+        return _OnDrive(self._spill, self._spill.write(value))
+
     def _home_of(self, p: torch.nn.Parameter) -> torch.device:
         shard = info_of(p).init_shard if is_init_partitioned(p) else None
+        if shard is not None and shard.swap is not None:
+            return torch.device("cpu")
         return shard.shard.device if shard is not None else p.device
 
     def release_init_shards(self) -> None:
+        swaps = {}
         for p in self.params:
             info = info_of(p)
             if info is not None:
+                shard = getattr(info, "init_shard", None)
+                if shard is not None and shard.swap is not None:
+                    swaps[id(shard.swap)] = shard.swap
                 info.init_shard = None
+        for swap in swaps.values():  # every slice of theirs was just let go
+            swap.close()
 
     def fp32_values(self) -> list:
         """Call before :meth:`release_init_shards` (the pieces' device is read from the slices)."""
@@ -512,4 +585,15 @@ class _OwnPieces:
         return self
 
     def __getitem__(self, where: slice) -> torch.Tensor:
-        return self._pieces[(where.start, where.stop)]
+        piece = self._pieces[(where.start, where.stop)]
+        return piece.read() if isinstance(piece, _OnDrive) else piece
+
+
+class _OnDrive:
+    """A tensor kept in a swap file's region (read back when asked for)."""
+
+    def __init__(self, swap, region):
+        self.swap, self.region = swap, region
+
+    def read(self) -> torch.Tensor:
+        return self.swap.read(self.region)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zeroengine import comm
+from zeroengine.offload.nvme import param_swapper
 
 from . import host_memory
 from .flat_params import ParamBuffer, copy_into, gather_chunk
@@ -85,10 +86,11 @@ class PartitionedParamBuffer(ParamBuffer):
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, dtype: torch.dtype, rank: int,
                  group=None, names: list[str] | None = None, persistent: frozenset[int] = frozenset(),
-                 chunk_source=None, stats: FetchStats | None = None, offload=None):
+                 chunk_source=None, stats: FetchStats | None = None, offload=None, in_cpu_budget=None):
         """``chunk_source(bucket)`` returns this rank's chunk of a bucket (default: read from the full
         parameters); ``persistent`` names buckets that stay gathered; ``offload`` (the ``offload_param``
-        config) keeps the shard in CPU memory, pinned when an accelerator copies from it."""
+        config) keeps the shard in CPU memory, pinned when an accelerator copies from it, or on NVMe
+        (``in_cpu_budget``: what is left of its max_in_cpu, shared by the stage's buffers)."""
         super().__init__(params, layout, dtype, rank, group)
         self.shapes = [full_shape(p) for p in params]
         self.names = names or [f"param{i}" for i in range(len(params))]
@@ -96,19 +98,24 @@ class PartitionedParamBuffer(ParamBuffer):
         self.stats = stats if stats is not None else FetchStats()  # one object may serve several buffers
         # offload_param: between uses a parameter exists only as this rank's chunk in CPU memory; a gather
         # copies the chunk up to the compute device first, and the optimizer's update lands here directly.
+        # device "nvme": chunks beyond max_in_cpu live in a swap file instead (zeroengine/offload/nvme/param_swap.py)
         pin = offload is not None and bool(offload.pin_memory) and torch.cuda.is_available()
-        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device="cpu" if offload is not None else self.device,
-                                 pin_memory=pin)
-        self._chunk_start = []
+        self.swap = None
+        if offload is not None and offload.device == "nvme":
+            self.swap = param_swapper(offload, [b.chunk_numel for b in layout.buckets], dtype, pin, in_cpu_budget)
+        self._chunk_start: dict[int, int] = {}  # bucket -> its chunk's offset in the shard (those in memory)
         offset = 0
         for bucket in layout.buckets:
-            self._chunk_start.append(offset)
-            offset += bucket.chunk_numel
+            if not self.on_drive(bucket):
+                self._chunk_start[bucket.index] = offset
+                offset += bucket.chunk_numel
+        self.shard = torch.zeros(offset, dtype=dtype, device="cpu" if offload is not None else self.device,
+                                 pin_memory=pin)
         with torch.no_grad():
-            for bucket in layout.buckets:
+            for bucket in layout.buckets:  # one chunk at a time: with NVMe, written before the next is made
                 chunk = chunk_source(bucket) if chunk_source is not None else gather_chunk(params, bucket, rank,
                                                                                            dtype)
-                self.chunk_view(bucket, rank).copy_(chunk)
+                self.store_chunk(bucket, chunk)
         self.full: list[torch.Tensor | None] = [None] * len(layout.buckets)  # set while gathered / in flight
         # One full-size tensor per bucket for the buffer's lifetime; a release takes its memory away and
         # the next gather gives it memory again (see "Note: one storage per bucket" and "reusing memory").
@@ -131,9 +138,47 @@ class PartitionedParamBuffer(ParamBuffer):
     def chunk_view(self, bucket: Bucket, rank: int) -> torch.Tensor:
         if rank != self.rank:
             raise ValueError(f"rank {self.rank} holds only its own chunks, not rank {rank}'s")
+        if self.on_drive(bucket):
+            raise RuntimeError(f"bucket {bucket.index}'s chunk is on NVMe (offload_param): use read_chunk / "
+                               "store_chunk")
         start = self._chunk_start[bucket.index]
         return self.shard[start:start + bucket.chunk_numel]
 
+    def on_drive(self, bucket: Bucket) -> bool:
+        """Whether the bucket's chunk lives in the NVMe swap file rather than in host memory."""
+        return self.swap is not None and self.swap.on_drive(bucket.index)
+
+    def read_chunk(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's chunk: the shard's view where it is in memory, else a new tensor read from the drive."""
+        if self.on_drive(bucket):
+            return self.swap.read_new(bucket.index)
+        return self.chunk_view(bucket, self.rank)
+
+    def store_chunk(self, bucket: Bucket, values: torch.Tensor, start: int = 0, wait: bool = True):
+        """Write ``values`` into this rank's chunk from element ``start``. ``wait=False``: returns a callable
+        that waits until ``values`` has been read (or None), for a caller that reuses that buffer soon."""
+        with torch.no_grad():
+            if not self.on_drive(bucket):
+                view = self.chunk_view(bucket, self.rank)[start:start + values.numel()]
+                if view.data_ptr() == values.data_ptr():
+                    return None
+                copied = copy_into(view, values)
+                done = None if copied is None else copied.synchronize
+            elif start == 0 and values.numel() == bucket.chunk_numel:
+                done = self.swap.write(bucket.index, values)
+            else:  # part of a chunk: read, change, write back
+                chunk = self.swap.read_new(bucket.index)
+                chunk[start:start + values.numel()].copy_(values)
+                done = self.swap.write(bucket.index, chunk)
+        if wait and done is not None:
+            done()
+            return None
+        return done
+
+    def close_swap(self) -> None:
+        """engine.destroy(): remove the NVMe swap file (the values in it are gone)."""
+        if self.swap is not None:
+            self.swap.close()
     def is_gathered(self, bucket: Bucket) -> bool:
         return self.full[bucket.index] is not None and self._pending[bucket.index] is None
 
@@ -155,7 +200,10 @@ class PartitionedParamBuffer(ParamBuffer):
         # The label goes into the collective's fingerprint (comm_debug): a rank that skipped a module
         # shows up as "rank 0 gathered for module A, rank 1 for module B".
         ctx = comm.collective_context(label) if label else nullcontext()
-        own = self.chunk_view(bucket, self.rank)
+        if self.on_drive(bucket):  # read into a pool buffer, lent until the collective has read it
+            own = self._read_for_gather(bucket, full.device)
+        else:
+            own = self.chunk_view(bucket, self.rank)
         if own.device != full.device:  # offloaded shard: up first (the collective keeps the copy alive)
             own = own.to(full.device, non_blocking=own.is_pinned())
         # The gather rewrites a tensor autograd may have saved views of: same values, so the version
@@ -164,7 +212,33 @@ class PartitionedParamBuffer(ParamBuffer):
         # for a peer's fault, suggests comm_debug; a local error (say, out of memory staging an offloaded
         # shard) stays what it is.
         with ctx, torch.autograd._unsafe_preserve_version_counter(full):
-            return comm.all_gather(full, own, group=self.group, async_op=async_op)
+            work = comm.all_gather(full, own, group=self.group, async_op=async_op)
+        if not async_op:
+            self._source_read(bucket)
+        return work
+
+    def _read_for_gather(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
+        buffer = self.swap.take_buffer(self._finish_gather)
+        own = self.swap.read(bucket.index, buffer)
+        if device.type == "cpu":
+            self.swap.lend(bucket.index, buffer)
+            return own
+        own = own.to(device)  # synchronous: the buffer is free again at once
+        self.swap.put_back(buffer)
+        return own
+
+    def _finish_gather(self, index: int) -> None:
+        """Every NVMe read buffer is lent: wait for the oldest gather using one (it keeps its result)."""
+        work = self._pending[index]
+        if work is not None:
+            work.wait()
+            self._pending[index] = _DONE
+        self._source_read(self.layout.buckets[index])
+
+    def _source_read(self, bucket: Bucket) -> None:
+        """The bucket's gather has read its source: an NVMe read buffer goes back to the pool."""
+        if self.swap is not None:
+            self.swap.give_back(bucket.index)
 
     def fetch_async(self, bucket: Bucket, label: str = "") -> None:
         """Start gathering ``bucket`` (a prefetch); :meth:`gather` completes it."""
@@ -181,6 +255,7 @@ class PartitionedParamBuffer(ParamBuffer):
                 self.stats.waited_in_flight += 1
             work.wait()  # a CollectiveError names this collective and its module
             self._pending[bucket.index] = None
+            self._source_read(bucket)
         elif self.full[bucket.index] is None:
             self.stats.on_demand += 1
             self._launch(bucket, label, async_op=False)
@@ -207,6 +282,7 @@ class PartitionedParamBuffer(ParamBuffer):
         if self._pending[bucket.index] is not None:  # its buffer is being written: finish first
             self._pending[bucket.index].wait()
             self._pending[bucket.index] = None
+            self._source_read(bucket)
         self.full[bucket.index] = None
         self._without_memory(bucket)
         if bucket.index not in self.persistent:
@@ -300,18 +376,16 @@ class PartitionedParamBuffer(ParamBuffer):
     def write_chunk(self, bucket: Bucket, values: torch.Tensor):
         """Take one bucket's updated values into this rank's shard now (an offloaded step sends each bucket
         as it is done); returns a callable that waits until ``values`` has been read."""
-        with torch.no_grad():
-            copied = copy_into(self.chunk_view(bucket, self.rank), values)
-        return None if copied is None else copied.synchronize
+        return self.store_chunk(bucket, values, wait=False)
 
     def after_step(self, chunks: list[torch.Tensor | None]) -> None:
         """Take the optimizer's updated chunks (None: already written, see :meth:`write_chunk`); re-gather
         every bucket that is gathered right now."""
-        with torch.no_grad():
-            for bucket, chunk in zip(self.layout.buckets, chunks):
-                view = self.chunk_view(bucket, self.rank)
-                if chunk is not None and chunk.data_ptr() != view.data_ptr():
-                    view.copy_(chunk)
+        for bucket, chunk in zip(self.layout.buckets, chunks):
+            if chunk is not None:
+                self.store_chunk(bucket, chunk, wait=False)
+        if self.swap is not None:
+            self.swap.wait_writes()  # (the refresh below reads them again)
         refresh = [b for b in self.layout.buckets if self.full[b.index] is not None]
         for bucket in refresh:
             self.release(bucket, force=True)
@@ -327,8 +401,7 @@ class PartitionedParamBuffer(ParamBuffer):
         """Keep this rank's slice of a new full value (and the gathered copy, if any)."""
         own = bucket.piece(slot, self.rank)
         if own is not None:
-            self.chunk_view(bucket, self.rank)[own.chunk_start:own.chunk_start + own.numel].copy_(
-                flat_value[own.param_start:own.param_end])
+            self.store_chunk(bucket, flat_value[own.param_start:own.param_end], start=own.chunk_start)
         full = self.full[bucket.index]
         if full is not None:
             self.gather(bucket)
@@ -340,7 +413,8 @@ class PartitionedParamBuffer(ParamBuffer):
 
     def spare_tensors(self) -> list[torch.Tensor]:
         """Idle memory kept for the next gathers (within the most ever gathered at once)."""
-        return [] if self._spares is None else self._spares.tensors()
+        spares = [] if self._spares is None else self._spares.tensors()
+        return spares + (self.swap.pool_tensors() if self.swap is not None else [])
 
 
 class _Spares:

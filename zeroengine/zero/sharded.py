@@ -96,10 +96,10 @@ class ShardedOptimizer(ZeroOptimizer):
         a bucket's masters ever exist twice or on the wrong side."""
         if self.policy.mixed:
             chunk = gather_chunk(fp32_values, bucket, self.rank, torch.float32)
-        else:
-            chunk = self.flat_params.chunk_view(bucket, self.rank)
+        else:  # (a copy where the parameters' chunk is on NVMe: the step's result is written back to it)
+            chunk = self.flat_params.read_chunk(bucket)
         if self.on_host(bucket.index):
-            return self._to_host(chunk, fresh=self.policy.mixed)
+            return self._to_host(chunk, fresh=self.policy.mixed or self._on_drive(bucket))
         if chunk.device != self.flat_params.device:  # masters cut from values zero.Init kept in CPU memory
             return chunk.to(self.flat_params.device)
         return chunk
@@ -182,10 +182,14 @@ class ShardedOptimizer(ZeroOptimizer):
         """Stage 3: a parameter was edited in place (GatheredParameters); make the master chunk follow."""
         self.wait_delayed_update()
         bucket = self.layout.buckets[bucket_index]
-        src = self.flat_params.chunk_view(bucket, self.rank)
+        src = self.flat_params.read_chunk(bucket)
         with self._resident(bucket_index):
             if self.chunks[bucket_index].data_ptr() != src.data_ptr():
                 self.chunks[bucket_index].copy_(src)
+
+    def _on_drive(self, bucket) -> bool:
+        """Whether stage 3 keeps the bucket's parameter chunk on NVMe (offload_param device "nvme")."""
+        return self.flat_params.on_drive(bucket)
 
     def _resident(self, bucket_index: int):
         """The bucket's masters (and state) in host memory for the block: a no-op unless they are on NVMe."""

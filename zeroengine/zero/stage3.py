@@ -111,6 +111,9 @@ class Stage3Optimizer(ShardedOptimizer):
         super().remove_hooks()
         if self.hooks is not None:
             self.hooks.remove()
+        for buffer in (self.flat_params, self.frozen_params):
+            if buffer is not None:
+                buffer.close_swap()
 
     def reset_fetch_stats(self) -> None:
         self.flat_params.stats.reset()
@@ -121,3 +124,5 @@ class Stage3Optimizer(ShardedOptimizer):
         for buffer in (self.flat_params, self.frozen_params):
             if buffer is not None:
                 tally.add("buffers", buffer.spare_tensors())
+                if buffer.swap is not None:  # offload_param device "nvme": the chunks in the swap file
+                    tally.add_bytes("params", "nvme", buffer.swap.drive_bytes())

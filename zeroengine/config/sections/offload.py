@@ -3,8 +3,7 @@
 ``device: "cpu"`` keeps them in host memory; ``device: "nvme"`` (DeepSpeed's
 ZeRO-Infinity) keeps them in files under ``nvme_path`` and brings them through
 a bounded pool of host buffers when they are needed (:mod:`zeroengine.offload.nvme`,
-tuned by the ``aio`` section). Parameter offload to NVMe is not implemented
-yet: it is refused, naming the key, rather than falling back to CPU.
+tuned by the ``aio`` section).
 """
 from __future__ import annotations
 
@@ -89,27 +88,24 @@ class OffloadOptimizerConfig(_OffloadBlock):
 
 
 class OffloadParamConfig(_OffloadBlock):
-    """Keep 16-bit parameter shards in CPU memory between uses (ZeRO stage 3 only)."""
+    """Keep 16-bit parameter shards off the accelerator between uses (ZeRO stage 3 only)."""
 
     device: OffloadDevice = Field(
-        description="'cpu' to offload; 'none' disables offload (the same as leaving the block out). 'nvme' is "
-                    "not implemented yet for parameters (offload_optimizer has it). "
+        description="'cpu' (host memory) or 'nvme' (a swap file under nvme_path, read when a gather needs it) to "
+                    "offload; 'none' disables offload (the same as leaving the block out). "
                     "Required: a block without a device would otherwise do nothing.")
     pin_memory: bool = Field(False, description="Use page-locked CPU buffers, for faster and asynchronous "
                                                 "GPU<->CPU copies (needs CUDA).")
     nvme_path: Optional[str] = Field(None, description="device 'nvme': " + _NVME_PATH)
-    buffer_count: PositiveInt = Field(5, description="device 'nvme': host buffers parameter reads go through.")
-    buffer_size: PositiveInt = Field(100_000_000, description="device 'nvme': elements per parameter buffer.")
-    max_in_cpu: NonNegativeInt = Field(1_000_000_000, description="device 'nvme': parameter elements kept in host "
-                                                                  "memory rather than on the drive.")
-
-    @field_validator("device", mode="before")
-    @classmethod
-    def _nvme_not_yet(cls, value: object) -> object:
-        if value == "nvme":
-            raise ValueError("parameter offload to NVMe is not implemented yet (optimizer offload to NVMe is: "
-                             "zero_optimization.offload_optimizer.device 'nvme'); use 'cpu', or 'none'")
-        return value
+    buffer_count: PositiveInt = Field(
+        5, description="device 'nvme': host buffers the gathers read parameter chunks into; a prefetch holds one "
+                       "until its collective is done, so this also bounds the reads in flight.")
+    buffer_size: PositiveInt = Field(
+        100_000_000, description="device 'nvme': elements per buffer (at most; a buffer is this rank's largest "
+                                 "bucket chunk, which must fit: reduce_bucket_size / world).")
+    max_in_cpu: NonNegativeInt = Field(
+        1_000_000_000, description="device 'nvme': parameter elements (this rank's chunks, in layout order) kept in "
+                                   "host memory rather than on the drive; 0 puts every chunk on the drive.")
 
     @model_validator(mode="after")
     def _nvme_rules(self) -> "OffloadParamConfig":

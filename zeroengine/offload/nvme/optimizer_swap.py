@@ -33,6 +33,7 @@ and give it back afterwards (``release_all``), writing it out when it changed.
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
@@ -97,14 +98,26 @@ class _Slot:
         bigger[:self.buffer.numel()].copy_(self.buffer)
         self.buffer = bigger
 
-    def wait_free(self) -> None:
-        """Until nothing reads or writes the slot: its write is done and its values were sent."""
+    def wait_free(self) -> float:
+        """Until nothing reads or writes the slot: its write is done and its values were sent. Returns the
+        seconds it waited for the drive."""
+        waited = 0.0
         if self.reading or self.writing:
+            start = time.perf_counter()
             self.io.wait()
+            waited = time.perf_counter() - start
             self.reading = self.writing = False
         reader, self.reader = self.reader, None
         if reader is not None:
             reader()
+        return waited
+
+    def wait_io(self) -> float:
+        """Until the slot's read or write is done; the seconds it took."""
+        start = time.perf_counter()
+        self.io.wait()
+        self.reading = self.writing = False
+        return time.perf_counter() - start
 
 
 class OptimizerSwapper:
@@ -147,7 +160,8 @@ class OptimizerSwapper:
         self.materialized: dict[int, _Slot] = {}  # bucket -> the fresh buffer it lives in (checkpoints)
         self._order: list[int] = []
         self._issued = 0  # reads submitted so far in this pass
-        self.stats = {"read_bytes": 0, "written_bytes": 0}
+        # bytes moved, and seconds the step waited for the drive (a read not ready, a slot still being written)
+        self.stats = {"read_bytes": 0, "written_bytes": 0, "wait_s": 0.0}
 
     # -- the files --------------------------------------------------------------
     def store_initial(self, b: int) -> None:
@@ -250,7 +264,7 @@ class OptimizerSwapper:
     def _read_up_to(self, last: int) -> None:
         while self._issued <= min(last, len(self._order) - 1):
             slot = self.slots[self._issued % len(self.slots)]
-            slot.wait_free()
+            self.stats["wait_s"] += slot.wait_free()
             self._read(slot, self._order[self._issued])
             self._issued += 1
 
@@ -259,8 +273,7 @@ class OptimizerSwapper:
         self._read_up_to(i)
         slot = self.slots[i % len(self.slots)]
         assert slot.bucket == self._order[i] and slot.reading, "NVMe swap out of order"
-        slot.io.wait()
-        slot.reading = False
+        self.stats["wait_s"] += slot.wait_io()
         self._attach(self._order[i], slot)
         self._read_up_to(i + self.read_ahead)
 
@@ -274,13 +287,12 @@ class OptimizerSwapper:
         self._write(slot, b, keys)
         slot.reader = reader
         if not self.pipeline_write:
-            slot.io.wait()
-            slot.writing = False
+            self.stats["wait_s"] += slot.wait_io()
 
     def finish(self) -> None:
         """The pass is over: every write on the drive (a checkpoint or the next pass may read it)."""
         for slot in self.slots:
-            slot.wait_free()
+            self.stats["wait_s"] += slot.wait_free()
         self._order, self._issued = [], 0
 
     # -- all of it at once (checkpoints, edits) ---------------------------------
