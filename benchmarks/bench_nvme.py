@@ -5,18 +5,20 @@
 
 Parts (one JSON):
 
-- ``memory``: a GPT (``--layers`` x ``--hidden``: 12 x 1024 is 160M parameters) built under ``zero.Init`` and
-  trained ``--steps`` steps on one rank at ZeRO stage 3 in bf16, in a fresh process per mode: ``cpu`` (both
-  offloads to host memory) and ``nvme`` (both to swap files under ``--dir``). Per mode: the peak resident
-  memory growth of the process from before the model is built (getrusage's ru_maxrss against the resident
-  size then), per parameter; ``memory_breakdown()`` after the last step; step times.
+- ``memory``: a GPT (``--layers`` x ``--hidden``, vocabulary ``--vocab``: 24 x 768 x 2048 is 172M parameters)
+  built under ``zero.Init`` and trained ``--steps`` steps on one rank at ZeRO stage 3 in bf16, in a fresh
+  process per mode: ``cpu`` (both offloads to host memory) and ``nvme`` (both to swap files under ``--dir``),
+  with glibc's ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB in both (freed transients leave the heap). Per mode: the
+  peak resident memory growth of the process from before the model is built (getrusage's ru_maxrss against
+  the resident size then), per parameter; ``memory_breakdown()`` after the last step; step times.
 - ``swap``: from the NVMe run, the seconds the step spent waiting for the drive (reads the next bucket did not
   have ready, writes a slot had to finish) and the bytes moved, against the step time.
 - ``io``: the async I/O op's read and write bandwidth on one file (``--io_mb``) against fio at the same block
   size and queue depth on the same file system (``--ioengine=libaio --iodepth=Q``, and ``psync`` with Q jobs),
   when fio is installed (``apt-get install fio``); the op's share of the better fio figure.
 
-``--quick``: a 2-layer, hidden-64 model, one step, a 16 MiB file (the smoke test's shape; numbers meaningless).
+``--quick``: a 2-layer, hidden-64 model, one step, a 16 MiB file measured once (the smoke test's shape; numbers
+meaningless).
 """
 from __future__ import annotations
 
@@ -114,8 +116,10 @@ def _run_mode(mode: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--dir", args.dir, "--layers",
            str(args.layers), "--hidden", str(args.hidden), "--steps", str(args.steps), "--seq", str(args.seq),
            "--vocab", str(args.vocab), "--bucket", str(args.bucket)]
+    # glibc's mmap threshold fixed from the start (both modes): large transients go back to the OS when freed
+    # instead of staying in the heap, so the peak measures what is held, not what the heap kept (docs/offload.md)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0",
-               WORLD_SIZE="1", LOCAL_RANK="0")
+               WORLD_SIZE="1", LOCAL_RANK="0", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-3000:]}")
@@ -129,7 +133,8 @@ def _io(args, folder: str) -> dict:
                                  threads=1)
     path = os.path.join(folder, "io.bin")
     result = {"size_mb": args.io_mb, "block_size": args.block_size, "queue_depth": args.queue_depth,
-              "file_system": bench_aio._fs_type(folder), "op": bench_aio._handle_rates("cpp", io_args, path, 3)}
+              "file_system": bench_aio._fs_type(folder),
+              "op": bench_aio._handle_rates("cpp", io_args, path, args.repeats)}
     fio = {}
     if shutil.which("fio") is not None:
         for engine in ("libaio", "psync"):
@@ -149,7 +154,7 @@ def _fio(engine: str, args, path: str) -> dict:
     out = {}
     for mode in ("write", "read"):
         best = 0.0
-        for _ in range(3):
+        for _ in range(args.repeats):
             done = subprocess.run(["fio", "--name=ze", f"--filename={path}", f"--rw={mode}", f"--bs={args.block_size}",
                                    f"--size={args.io_mb}m", f"--ioengine={engine}", "--direct=1", *depth,
                                    "--group_reporting", "--output-format=json"], capture_output=True, text=True)
@@ -164,15 +169,17 @@ def _fio(engine: str, args, path: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=None, help="the drive to swap to (default: a temporary folder)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--bucket", type=int, default=4_000_000, help="reduce_bucket_size: the swap's unit")
+    parser.add_argument("--bucket", type=int, default=2_000_000, help="reduce_bucket_size: the swap's unit")
     parser.add_argument("--io_mb", type=int, default=1024)
     parser.add_argument("--block_size", type=int, default=1 << 20)
     parser.add_argument("--queue_depth", type=int, default=8)
+    parser.add_argument("--mmap_threshold", type=int, default=1 << 20, help="MALLOC_MMAP_THRESHOLD_ of the runs")
+    parser.add_argument("--repeats", type=int, default=3, help="I/O measurements per row (the best is kept)")
     parser.add_argument("--skip_io", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", choices=["cpu", "nvme"], default=None, help=argparse.SUPPRESS)
@@ -183,6 +190,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.layers, args.hidden, args.vocab, args.steps, args.io_mb, args.bucket = 2, 64, 64, 1, 16, 4096
+        args.repeats = 1
     folder = tempfile.mkdtemp(prefix="ze_nvme_bench_", dir=args.dir)
     args.dir = folder
     try:

@@ -211,3 +211,37 @@ def test_a_real_small_drive_and_a_read_only_one_are_refused_before_anything_runs
     subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
     with pytest.raises(ConfigError, match="is not writable"):
         SwapFolder(str(small_mount), "k")
+
+
+def _initialize_refusals(rank, world, cases):
+    """``initialize`` with each (path, offload block) of ``cases`` in turn; the ConfigError text of each."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "tests"))
+    from parity import base_config, make_model
+
+    import zeroengine
+
+    errors = []
+    for path, key in cases:
+        cfg = base_config(2, 1, world, 0.0, stage=3)
+        cfg["zero_optimization"][key] = {"device": "nvme", "nvme_path": path}
+        try:
+            zeroengine.initialize(model=make_model(), config=cfg)
+            errors.append(None)
+        except ConfigError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_initialize_refuses_a_missing_folder_and_a_small_drive_naming_the_key(tmp_path, small_mount):
+    from zeroengine.testing import run_distributed
+
+    missing, small, params = run_distributed(_initialize_refusals, 1, [
+        (str(tmp_path / "nowhere"), "offload_optimizer"), (str(small_mount), "offload_optimizer"),
+        (str(tmp_path / "nowhere"), "offload_param")])[0]
+    assert missing.startswith("zero_optimization.offload_optimizer.nvme_path: ") and "does not exist" in missing
+    # the tiny model's optimizer files take about 1.5 MB: more than the 256 KiB drive holds
+    assert small.startswith("zero_optimization.offload_optimizer.nvme_path: the drive of ") and "too small" in small
+    assert os.listdir(small_mount) == []  # the refused run's folder is gone
+    assert params.startswith("zero_optimization.offload_param.nvme_path: ")
