@@ -29,10 +29,11 @@ class _OffloadBlock(ConfigModel):
         """The ``aio`` settings the NVMe swap uses (the section's defaults for a block built on its own)."""
         return self._aio if self._aio is not None else AioConfig()
 
-
-def _check_nvme_path(block) -> None:
-    if block.device == "nvme" and not block.nvme_path:
-        raise rule_error("device 'nvme' needs nvme_path: the folder to keep the swap files in", ("nvme_path",))
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self):
+        if self.device == "nvme" and not self.nvme_path:
+            raise rule_error("device 'nvme' needs nvme_path: the folder to keep the swap files in", ("nvme_path",))
+        return self
 
 
 class OffloadOptimizerConfig(_OffloadBlock):
@@ -77,8 +78,7 @@ class OffloadOptimizerConfig(_OffloadBlock):
                         "does: the first steps, when weights move most, use fresh gradients).")
 
     @model_validator(mode="after")
-    def _nvme_rules(self) -> "OffloadOptimizerConfig":
-        _check_nvme_path(self)
+    def _no_delayed_update_on_nvme(self) -> "OffloadOptimizerConfig":
         if self.device == "nvme" and self.delayed_update:
             raise rule_error("delayed_update with device 'nvme' is not implemented: the background step would "
                              "stream the state from the drive during the next forward; use device 'cpu' for the "
@@ -106,8 +106,3 @@ class OffloadParamConfig(_OffloadBlock):
     max_in_cpu: NonNegativeInt = Field(
         1_000_000_000, description="device 'nvme': parameter elements (this rank's chunks, in layout order) kept in "
                                    "host memory rather than on the drive; 0 puts every chunk on the drive.")
-
-    @model_validator(mode="after")
-    def _nvme_rules(self) -> "OffloadParamConfig":
-        _check_nvme_path(self)
-        return self
