@@ -4,16 +4,17 @@ steps and the same final weights, with accumulate_grad_batches 2 (stages 2, 3 an
 epoch ends on half a group; SGD, which shows a gradient scaled twice where Adam hides it). A checkpoint taken by
 ModelCheckpoint resumes in a fresh process onto the same later steps."""
 import pytest
-from runner import launch, read, run, script
+from runner import for_module, launch, read, script
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(780)]  # up to 3 runs, runner.run's 240 s each
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(780)]  # a test waits for up to 3 runs in a row, 240 s each
 RANKS = 2
 
 
-def _fit(tmp, strategy, accumulate, *extra, devices=RANKS):
+def _fit(runs, tmp, strategy, accumulate, *extra, devices=RANKS):
     report = tmp / f"{strategy}-{accumulate}{'-'.join(extra).replace('/', '_')}"
-    run(launch("python", 1, [script("lightning_run.py"), "--strategy", strategy, "--devices", str(devices),
-                             "--accumulate", str(accumulate), "--report", str(report), *extra]), switch=False)
+    runs.start(launch("python", 1, [script("lightning_run.py"), "--strategy", strategy, "--devices", str(devices),
+                                    "--accumulate", str(accumulate), "--report", str(report), *extra]),
+               switch=False).wait()
     return [read(f"{report}.rank{rank}.json") for rank in range(devices)]
 
 
@@ -31,20 +32,54 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("lightning")
 
 
-def _ddp(tmp, accumulate):
+# Every fit of the module, by name: (what it runs after, the fit). Fits overlap (most of one is a process importing
+# Lightning - rank 0, then rank 1, which Lightning starts once rank 0 has - one core busy): those the selected tests
+# need are all scheduled at the first test, each resume once its checkpoint is written; each test waits for its own.
+ACCUMULATE = 2
+CKPT = "ckpt"  # "checkpointed" saves every 3 optimizer steps (ModelCheckpoint) into tmp/ckpt
+FITS = {
+    "ddp": ((), lambda r, t: _fit(r, t, "ddp", ACCUMULATE)),
+    "zeroengine_stage_2": ((), lambda r, t: _fit(r, t, "zeroengine_stage_2", ACCUMULATE)),
+    "zeroengine_stage_3_offload": ((), lambda r, t: _fit(r, t, "zeroengine_stage_3_offload", ACCUMULATE)),
+    "checkpointed": ((), lambda r, t: _fit(r, t, "zeroengine_stage_3", ACCUMULATE, "--ckpt_dir", str(t / CKPT))),
+    "resumed": (("checkpointed",), lambda r, t: _fit(r, t, "zeroengine_stage_3", ACCUMULATE, "--resume",
+                                                     str(t / CKPT / "step=3.ckpt"))),
+    # trainer.test(ckpt_path=...) with no fit builds no engine: it loads the consolidated weights, on one process.
+    "tested": (("checkpointed",), lambda r, t: _fit(r, t, "zeroengine_stage_3", 1, "--test_only",
+                                                    str(t / CKPT / "step=6.ckpt"), devices=1)),
+}
+
+
+def _needs(item):
+    if item.originalname == "test_matches_plain_lightning":
+        return "ddp", item.callspec.params["strategy"]
+    if item.originalname == "test_modelcheckpoint_resume_is_exact":
+        return "ddp", "checkpointed", "resumed", "tested"
+    return ()
+
+
+@pytest.fixture(scope="module")
+def fits(request, tmp):
+    """``fits(name)``: each rank's report of that fit."""
+    scheduled = for_module(request, FITS, _needs, tmp)
+    yield scheduled
+    scheduled.close()
+
+
+def _ddp(fits):
     """Plain Lightning's run (fitted once per module)."""
-    reference = _fit(tmp, "ddp", accumulate) if not (tmp / f"ddp-{accumulate}.rank0.json").exists() else \
-        [read(tmp / f"ddp-{accumulate}.rank{r}.json") for r in range(RANKS)]
-    assert reference[0]["global_step"] == (10 if accumulate == 1 else 6)  # 2 epochs of 5 batches; halves round up
+    reference = fits("ddp")
+    assert reference[0]["global_step"] == 6  # 2 epochs of 5 batches, accumulating 2; halves round up
     return reference
 
 
 # Stage 3 with accumulation 2 is compared in test_modelcheckpoint_resume_is_exact, whose uninterrupted run is that.
 # Accumulation 2 with an epoch ending on half a group is the case with boundaries to get wrong; 1 has none.
 @pytest.mark.parametrize("strategy, accumulate", [("zeroengine_stage_2", 2), ("zeroengine_stage_3_offload", 2)])
-def test_matches_plain_lightning(tmp, strategy, accumulate):
+def test_matches_plain_lightning(fits, strategy, accumulate):
+    assert accumulate == ACCUMULATE  # (the fits' and the reference's)
     # Tolerance: the same sums reduced in another order (all-reduce vs reduce-scatter) differ in the last bits.
-    _assert_same_training(_ddp(tmp, accumulate), _fit(tmp, strategy, accumulate), 1e-5)
+    _assert_same_training(_ddp(fits), fits(strategy), 1e-5)
 
 
 def test_the_names_are_registered_with_their_zero_settings():
@@ -66,17 +101,16 @@ def test_the_names_are_registered_with_their_zero_settings():
         ZeroEngineStrategy(stage=3, config={"zero_optimization": {"stage": 1}})
 
 
-def test_modelcheckpoint_resume_is_exact(tmp):
-    ckpt = tmp / "ckpt"
-    full = _fit(tmp, "zeroengine_stage_3", 2, "--ckpt_dir", str(ckpt))
-    _assert_same_training(_ddp(tmp, 2), full, 1e-5)  # (saving checkpoints changes nothing of the training)
+def test_modelcheckpoint_resume_is_exact(tmp, fits):
+    ckpt = tmp / CKPT
+    full = fits("checkpointed")
+    _assert_same_training(_ddp(fits), full, 1e-5)  # (saving checkpoints changes nothing of the training)
     assert sorted(p.name for p in ckpt.iterdir()) == ["step=3.ckpt", "step=6.ckpt"]
     assert (ckpt / "step=3.ckpt" / "checkpoint").is_dir()  # the engine's checkpoint, inside Lightning's path
-    resumed = _fit(tmp, "zeroengine_stage_3", 2, "--resume", str(ckpt / "step=3.ckpt"))
+    resumed = fits("resumed")  # a fresh process, from step=3.ckpt
     for a, b in zip(full, resumed):
         assert b["global_step"] == a["global_step"]
         assert b["losses"] == a["losses"][-len(b["losses"]):] and len(b["losses"]) == 5
         assert b["lrs"] == a["lrs"][-len(b["lrs"]):] and b["weights"] == a["weights"]
-    # trainer.test(ckpt_path=...) with no fit builds no engine: it loads the consolidated weights, on one process.
-    tested = _fit(tmp, "zeroengine_stage_3", 1, "--test_only", str(ckpt / "step=6.ckpt"), devices=1)
+    tested = fits("tested")  # trainer.test from step=6.ckpt, no fit, on one process
     assert tested[0]["weights"] == full[0]["weights"]
