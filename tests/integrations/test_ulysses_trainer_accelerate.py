@@ -23,9 +23,11 @@ import pytest
 import runner
 import torch
 
+from zeroengine.testing import free_port
+
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # up to two runs a test (fixtures included), 150 s each
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # a test waits for up to two runs in a row, 150 s each
 
 MODEL = "llama"
 TOLERANCE = 1e-5
@@ -47,7 +49,7 @@ def _max_difference(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def _trainer(workdir, name: str, how: str, procs: int, stage: int | None = None, sp: int = 1):
+def _trainer(runs, workdir, name: str, how: str, procs: int, stage: int | None = None, sp: int = 1):
     out, report = workdir / name, workdir / f"{name}.json"
     argv = [runner.script("hf_trainer_sp.py"), "--model", str(workdir / MODEL), "--output_dir", str(out),
             "--report", str(report), "--sp", str(sp)]
@@ -57,19 +59,50 @@ def _trainer(workdir, name: str, how: str, procs: int, stage: int | None = None,
                   "train_batch_size": "auto", "gradient_clipping": "auto"}
         (workdir / f"{name}_config.json").write_text(json.dumps(config))
         argv += ["--deepspeed", str(workdir / f"{name}_config.json")]
-    runner.run(runner.launch(how, procs, argv), switch=stage is not None and how != "zeroengine", timeout=150)
+    runs.start(runner.launch(how, procs, argv, port=free_port() if how == "zeroengine" else None),
+               switch=stage is not None and how != "zeroengine", timeout=150).wait()
     return runner.read(report), safetensors_torch.load_file(str(out / "model.safetensors"))
 
 
+def _accelerate(runs, workdir, name: str, procs: int, sp: int):
+    report = workdir / f"{name}.json"
+    runs.start(runner.launch("zeroengine", procs, [runner.script("accelerate_sp.py"), "--model", str(workdir / MODEL),
+                                                   "--stage", "3", "--sp", str(sp), "--report", str(report)],
+                             port=free_port()), timeout=150).wait()
+    return runner.read(report), torch.load(f"{report}.weights.pt")
+
+
+# Every run of the module, by name: (what it runs after, the run). None reads another's output: those the selected
+# tests need all start at the first test and overlap (a good part of each is one process importing torch and
+# transformers); each test waits for its own.
+RUNS = {
+    "plain": ((), lambda r, w: _trainer(r, w, "plain", "python", 1)),
+    "sp_zero2": ((), lambda r, w: _trainer(r, w, "sp_zero2", "zeroengine", 2, stage=2, sp=2)),
+    "sp_zero3": ((), lambda r, w: _trainer(r, w, "sp_zero3", "zeroengine", 2, stage=3, sp=2)),
+    "accelerate_one": ((), lambda r, w: _accelerate(r, w, "accelerate_one", 1, 1)),
+    "accelerate_sp": ((), lambda r, w: _accelerate(r, w, "accelerate_sp", 2, 2)),
+}
+
+
+def _needs(item):
+    if item.originalname == "test_the_trainer_with_sequence_parallelism_trains_as_one_plain_process":
+        return "plain", f"sp_zero{item.callspec.params['stage']}"
+    if item.originalname == "test_accelerate_with_sequence_parallelism_trains_as_one_process":
+        return "accelerate_one", "accelerate_sp"
+    return ()
+
+
 @pytest.fixture(scope="module")
-def plain_trainer(workdir):
-    return _trainer(workdir, "plain", "python", 1)
+def runs(request, workdir):
+    scheduled = runner.for_module(request, RUNS, _needs, workdir)
+    yield scheduled
+    scheduled.close()
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_trainer_with_sequence_parallelism_trains_as_one_plain_process(workdir, plain_trainer, stage):
-    plain, plain_weights = plain_trainer
-    report, weights = _trainer(workdir, f"sp_zero{stage}", "zeroengine", 2, stage=stage, sp=2)
+def test_the_trainer_with_sequence_parallelism_trains_as_one_plain_process(runs, stage):
+    plain, plain_weights = runs("plain")  # one process, no DeepSpeed, no alias
+    report, weights = runs(f"sp_zero{stage}")  # 2 processes through the launcher, sp = 2
     assert report["world"] == 2 and report["wrapped"] == "zeroengine.engine.Engine"
     assert report["train_loader"] == "UlyssesSPDataLoaderAdapter"  # the Trainer adapted its loader
     assert plain["train_loader"] == "DataLoaderShard" and len(plain["loss"]) == 3
@@ -79,16 +112,9 @@ def test_the_trainer_with_sequence_parallelism_trains_as_one_plain_process(workd
     assert _max_difference(weights, plain_weights) < TOLERANCE
 
 
-def test_accelerate_with_sequence_parallelism_trains_as_one_process(workdir):
-    def run(name, procs, sp):
-        report = workdir / f"{name}.json"
-        runner.run(runner.launch("zeroengine", procs, [runner.script("accelerate_sp.py"), "--model",
-                                                       str(workdir / MODEL), "--stage", "3", "--sp", str(sp),
-                                                       "--report", str(report)]), timeout=150)
-        return runner.read(report), torch.load(f"{report}.weights.pt")
-
-    one, one_weights = run("accelerate_one", 1, 1)
-    two, two_weights = run("accelerate_sp", 2, 2)
+def test_accelerate_with_sequence_parallelism_trains_as_one_process(runs):
+    one, one_weights = runs("accelerate_one")  # one process without parallelism_config
+    two, two_weights = runs("accelerate_sp")  # 2 processes, sp = 2
     assert one["world"] == 1 and two["world"] == 2
     assert one["engine"] == two["engine"] == "zeroengine.engine.Engine"
     assert two["loader"] == "UlyssesSPDataLoaderAdapter" and len(two["loss"]) == 6
