@@ -68,21 +68,20 @@ class Started:
     """A run started in the background (``start``), so that runs which do not depend on each other overlap:
     most of a run is one process importing torch and the trainer's library on one core, and this machine has
     more. ``wait()`` checks it as ``run`` does: a non-zero exit fails with its output, and a run past its
-    ``timeout`` (counted from its start) is killed and fails naming its command. Its output goes to a file, not a
-    pipe (a pipe nobody reads would fill and block it)."""
+    ``timeout`` (counted from its start) is killed and fails naming its command. Its stdout and stderr go to files,
+    not pipes (a pipe nobody reads would fill and block it)."""
 
     def __init__(self, command: list[str], switch: bool = True, timeout: float = 240, cwd: str | None = None,
                  env: dict | None = None):
         self.command, self.deadline = command, time.monotonic() + timeout
-        self._output = tempfile.TemporaryFile(mode="w+")
+        self._stdout, self._stderr = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
         # Its own process group: stop() ends the processes it started too (Lightning's rank 1, torchrun's workers).
         self._proc = subprocess.Popen(command, env=env if env is not None else environment(switch), cwd=cwd,
-                                      stdout=self._output, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)
+                                      stdout=self._stdout, stderr=self._stderr, text=True, start_new_session=True)
         self._done = None
 
     def wait(self) -> str:
-        """Its output, once it has exited 0."""
+        """Its stdout, once it has exited 0."""
         if self._done is None:
             timed_out = False
             try:
@@ -90,18 +89,21 @@ class Started:
             except subprocess.TimeoutExpired:
                 timed_out = True
                 self.stop()
-            self._output.seek(0)
-            self._done = self._output.read()
-            self._output.close()
+            self._done = []
+            for output in (self._stdout, self._stderr):
+                output.seek(0)
+                self._done.append(output.read())
+                output.close()
             if timed_out:
-                raise AssertionError(f"{' '.join(self.command)} timed out:\n{self._done[-6000:]}")
+                raise AssertionError(f"{' '.join(self.command)} timed out:\n{''.join(self._done)[-6000:]}")
         assert self._proc.returncode == 0, \
-            f"{' '.join(self.command)} exited {self._proc.returncode}:\n{self._done[-6000:]}"
-        return self._done
+            f"{' '.join(self.command)} exited {self._proc.returncode}:\n{''.join(self._done)[-6000:]}"
+        return self._done[0]
 
     def stop(self) -> None:
         """End it and what it started, if still running (a test that did not wait for it failed or was left out):
-        SIGTERM first (torchrun passes it on to workers in sessions of their own), then SIGKILL."""
+        SIGTERM first (torchrun and the zeroengine launcher pass it on to the workers they start in sessions of
+        their own), then SIGKILL."""
         for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
             if self._proc.poll() is not None:
                 return

@@ -22,8 +22,10 @@ import pytest
 import runner
 import torch
 
+from zeroengine.testing import free_port
+
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(700)  # four launcher runs of up to 150 s each
+pytestmark = pytest.mark.timeout(700)  # a test waits for one launcher run of up to 150 s
 
 MODEL = os.path.join("hf-internal-testing", "tiny-random-LlamaForCausalLM")
 SEQUENCES = [[1, 10, 10, 10, 2, 2], [1, 20, 20, 20, 2, 2]]  # the tutorial's
@@ -65,32 +67,69 @@ def one_process(workdir, optimizer: str | None, lr: float = 1e-3) -> list[float]
     return losses
 
 
-def run_tutorial(workdir, text: str, name: str) -> str:
+def _run_tutorial(runs, workdir, text: str, name: str) -> str:
     path = workdir / name
     path.write_text(text)
-    proc = runner.run(runner.launch("zeroengine", 2, [str(path)]), cwd=str(workdir), timeout=150)
-    return proc.stdout
+    return runs.start(runner.launch("zeroengine", 2, [str(path)], port=free_port()), cwd=str(workdir),
+                      timeout=150).wait()
 
 
-def test_the_verbatim_tutorial_prints_one_process_losses(workdir):
+def _verbatim(runs, workdir) -> str:
     with open(runner.script("ulysses_tutorial.py")) as f:
-        stdout = run_tutorial(workdir, f.read(), "train.py")
-    printed = [float(v) for v in re.findall(r"^\d+: loss=tensor\(([-0-9.e]+)", stdout, re.MULTILINE)]
-    assert printed == pytest.approx(one_process(workdir, None), abs=5e-5), stdout[-3000:]
+        return _run_tutorial(runs, workdir, f.read(), "train.py")
 
 
-@pytest.mark.parametrize("stage,optimizer", [(1, "SGD"), (2, "Adam"), (3, "SGD")])
-def test_the_tutorial_trains_as_one_process(workdir, stage, optimizer):
+VARIANTS = [(1, "SGD"), (2, "Adam"), (3, "SGD")]
+
+
+def _lr(optimizer):
+    return 0.5 if optimizer == "SGD" else 1e-3  # SGD: a step that moves the weights enough for a mistake to show
+
+
+def _variant(runs, workdir, stage, optimizer) -> list[float]:
     with open(runner.script("ulysses_tutorial.py")) as f:
         text = f.read()
-    lr = 0.5 if optimizer == "SGD" else 1e-3  # SGD: a step that moves the weights enough for a mistake to show
+    lr = _lr(optimizer)
     text = text.replace('"stage": 3,', f'"stage": {stage},').replace('"type": "Adam"', f'"type": "{optimizer}"')
     text = text.replace('"lr": 1e-3', f'"lr": {lr}, "weight_decay": 0.0' if optimizer == "Adam" else f'"lr": {lr}')
     report = workdir / f"losses_{stage}_{optimizer}.json"
     text = text.replace("    model.backward(loss)\n", "    model.backward(loss)\n    model.step()\n"
                         f"    reported.append(loss.item())\nif dist.get_rank() == 0:\n    json.dump(reported, open({str(report)!r}, 'w'))\n")
     text = text.replace("# Normal training loop\n", "# Normal training loop\nimport json\nreported = []\n")
-    run_tutorial(workdir, text, f"train_{stage}_{optimizer}.py")
+    _run_tutorial(runs, workdir, text, f"train_{stage}_{optimizer}.py")
     with open(report) as f:
-        losses = json.load(f)
-    assert losses == pytest.approx(one_process(workdir, optimizer, lr), abs=1e-5)
+        return json.load(f)
+
+
+# The module's launcher runs, by name: (what they run after, the run). None reads another's output: those the
+# selected tests need all start at the first test and overlap; each test waits for its own.
+RUNS = {"verbatim": ((), _verbatim)}
+RUNS.update({f"{stage}-{optimizer}": ((), lambda r, w, s=stage, o=optimizer: _variant(r, w, s, o))
+             for stage, optimizer in VARIANTS})
+
+
+def _needs(item):
+    if item.originalname == "test_the_verbatim_tutorial_prints_one_process_losses":
+        return ("verbatim",)
+    if item.originalname == "test_the_tutorial_trains_as_one_process":
+        return (f"{item.callspec.params['stage']}-{item.callspec.params['optimizer']}",)
+    return ()
+
+
+@pytest.fixture(scope="module")
+def runs(request, workdir):
+    scheduled = runner.for_module(request, RUNS, _needs, workdir)
+    yield scheduled
+    scheduled.close()
+
+
+def test_the_verbatim_tutorial_prints_one_process_losses(workdir, runs):
+    stdout = runs("verbatim")
+    printed = [float(v) for v in re.findall(r"^\d+: loss=tensor\(([-0-9.e]+)", stdout, re.MULTILINE)]
+    assert printed == pytest.approx(one_process(workdir, None), abs=5e-5), stdout[-3000:]
+
+
+@pytest.mark.parametrize("stage,optimizer", VARIANTS)
+def test_the_tutorial_trains_as_one_process(workdir, runs, stage, optimizer):
+    losses = runs(f"{stage}-{optimizer}")
+    assert losses == pytest.approx(one_process(workdir, optimizer, _lr(optimizer)), abs=1e-5)
