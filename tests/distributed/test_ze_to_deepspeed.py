@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -86,18 +87,35 @@ def _require_anchor():
                     "scripts/install.sh (it installs it there)")
 
 
-def _deepspeed(tmp_path, world, cases):
-    """Real DeepSpeed at ``world`` ranks resumes every case; {name: result}."""
-    spec = {"world": world, "port": free_port(), "first_step": SAVE_AT, "steps": MORE, "cases": cases}
-    spec_path, out = tmp_path / f"spec_{world}.json", tmp_path / f"ds_{world}.pt"
-    spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ZEROENGINE_AS_DEEPSPEED")}
-    env.update(PYTHONPATH=ANCHOR, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, DS_SCRIPT, str(spec_path), str(out)], capture_output=True, text=True,
-                         timeout=400, env=env, cwd=REPO)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    return torch.load(out, weights_only=True)
+class _DeepSpeed:
+    """Real DeepSpeed at ``world`` ranks resuming every case, started in the background (the launches at each
+    world size are independent: they run side by side, overlapping their interpreters' imports); ``result()``:
+    {name: result}."""
+
+    def __init__(self, tmp_path, world, cases):
+        spec = {"world": world, "port": free_port(), "first_step": SAVE_AT, "steps": MORE, "cases": cases}
+        spec_path, self.out = tmp_path / f"spec_{world}.json", tmp_path / f"ds_{world}.pt"
+        spec_path.write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                "MASTER_PORT", "ZEROENGINE_AS_DEEPSPEED")}
+        env.update(PYTHONPATH=ANCHOR, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        self.log = tempfile.TemporaryFile(mode="w+")  # (a file: a pipe nobody reads yet could fill and block it)
+        self.proc = subprocess.Popen([sys.executable, DS_SCRIPT, str(spec_path), str(self.out)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+
+    def result(self) -> dict:
+        try:
+            self.proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            self.stop()
+        self.log.seek(0)
+        assert self.proc.returncode == 0, self.log.read()[-6000:]
+        return torch.load(self.out, weights_only=True)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _case(root, name, source, world, stage, dtype=None, universal=False, **kwargs):
@@ -137,7 +155,12 @@ def test_deepspeed_resumes_where_zeroengine_goes_on(trained, tmp_path):
     two += [_case(root, f"fp16_w2_s{s}", "fp16", 2, s) for s in (0, 2)]
     one = [_case(root, "fp32_w1_s3", "fp32", 1, 3),
            {**two[4], "name": "fp32_universal_w1_s1", "stage": 1}]  # the universal folder at another world
-    results = {**_deepspeed(tmp_path, 2, two), **_deepspeed(tmp_path, 1, one)}
+    launched = [_DeepSpeed(tmp_path, 2, two), _DeepSpeed(tmp_path, 1, one)]
+    try:
+        results = {name: result for run in launched for name, result in run.result().items()}
+    finally:
+        for run in launched:
+            run.stop()
 
     consolidated = {dtype: get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, dtype)) for dtype in runs}
     report = []
