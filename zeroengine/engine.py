@@ -423,6 +423,9 @@ class Engine(torch.nn.Module):
                 self._load_with(custom_load_fn, get_fp32_state_dict_from_zero_checkpoint(loaded[0]))
             return loaded
         finally:
+            # NVMe-offloaded state the load brought into host memory goes back (a no-op after a full load,
+            # which already wrote it; after a failed one, whatever is in memory is what the model now has)
+            self.optimizer.release_checkpoint_pieces(modified=True)
             self._restart_monitor_window()
 
     def _check_data_resume(self) -> None:
