@@ -64,8 +64,9 @@ def cpu_and_nvme(rank, world, stage, dtype, path, extra, param=None, zero=None):
                                                                    getattr(engine.optimizer, "frozen_params", None))
                          if getattr(buffer, "swap", None) is not None)
             assert breakdown["nvme"] == masters + states + params and (params > 0) == (param is not None)
-            assert breakdown["master_params"] == masters and breakdown["optimizer_states"] == states
-            assert all(c.numel() == 0 for c in engine.optimizer.chunks)
+            if "ratio" not in extra:  # (partial offload: the resident buckets' masters and state are in memory)
+                assert breakdown["master_params"] == masters and breakdown["optimizer_states"] == states
+            assert all(engine.optimizer.chunks[b.index].numel() == 0 for b in host)
             pool = sum(t.untyped_storage().nbytes() for t in swapper.pool_tensors())
             assert len(swapper.pool_tensors()) == extra.get("buffer_count", 4) and pool > 0
             assert sorted(os.listdir(swapper.folder.path)) == ["masters.swp", "state1.swp", "state2.swp"]
@@ -121,8 +122,10 @@ def test_fp32_matches_one_process_and_cpu_offload_bitwise(tmp_path, stage, world
     (2, "bf16", {"buffer_count": 2, "pipeline_read": True, "pipeline_write": True}),
     (3, "bf16", {"buffer_count": 1}),
     (3, "fp16", {"buffer_count": 3, "pipeline_read": True}),
+    (2, "bf16", {"ratio": 0.5, "pipeline_read": True}),  # partial: the rest steps beside the parameters
 ])
 def test_16bit_equals_cpu_offload_bitwise(tmp_path, stage, dtype, extra):
+    """(Partial offload equals full offload bitwise in bf16: test_offload_copy_out.)"""
     for result in run_distributed(cpu_and_nvme, 2, stage, dtype, str(tmp_path), extra):
         _assert_identical(result["cpu"], result["nvme"])
 
