@@ -60,9 +60,9 @@ def _config(mode: str, swap_dir: str, bucket: int) -> dict:
 def worker(args) -> dict:
     """One mode in this process: build, train, measure (printed as JSON on the last line)."""
     import torch
+    from model import GPT, GPTConfig
 
     import zeroengine
-    from model import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = _config(args.worker, args.dir, args.bucket)

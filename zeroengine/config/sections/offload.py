@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from ..base import ConfigModel, Fraction, NonNegativeInt, PositiveInt, rule_error
 from .aio import AioConfig
