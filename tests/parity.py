@@ -93,10 +93,12 @@ def copy_weights(dst, src) -> None:
             d.copy_(s)
 
 
-def reference_run(steps: int, gas: int, world: int, micro: int, clip: float, lr: float = 1e-2):
-    """Plain single-process training on the same global batches; returns (losses, final params)."""
+def reference_run(steps: int, gas: int, world: int, micro: int, clip: float, lr: float = 1e-2, make_optimizer=None):
+    """Plain single-process training on the same global batches; returns (losses, final params).
+    ``make_optimizer(params)``: the optimizer (default: the configs' AdamW)."""
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, eps=ADAM_EPS)
+    opt = make_optimizer(model.parameters()) if make_optimizer is not None else torch.optim.AdamW(
+        model.parameters(), lr=lr, weight_decay=0.01, eps=ADAM_EPS)
     losses = []
     for step in global_batches(steps, gas, world, micro):
         x = torch.cat([xr for micro_step in step for xr, _ in micro_step])

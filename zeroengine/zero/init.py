@@ -70,9 +70,10 @@ class InitShard:
         self.pin = pin_memory and device is not None and device.type == "cpu" and torch.cuda.is_available()
         self.swap = swap
         self.region = None  # (offset, dtype, numel) in the swap file
-        self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device if device is None else device,
-                                 pin_memory=self.pin)
-        self.set_own(flat)
+        if swap is None:
+            self.shard = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device if device is None else device,
+                                     pin_memory=self.pin)
+        self.set_own(flat)  # (on the drive: writes the slice, and leaves an empty shard in memory)
 
     @property
     def dtype(self) -> torch.dtype:

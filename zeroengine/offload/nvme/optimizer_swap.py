@@ -101,12 +101,7 @@ class _Slot:
     def wait_free(self) -> float:
         """Until nothing reads or writes the slot: its write is done and its values were sent. Returns the
         seconds it waited for the drive."""
-        waited = 0.0
-        if self.reading or self.writing:
-            start = time.perf_counter()
-            self.io.wait()
-            waited = time.perf_counter() - start
-            self.reading = self.writing = False
+        waited = self.wait_io() if self.reading or self.writing else 0.0
         reader, self.reader = self.reader, None
         if reader is not None:
             reader()
