@@ -93,13 +93,16 @@ def throughput_runs(models: list[str], micro: int) -> list[dict]:
             runs.append({"name": name, "stage": stage, "dtype": "bf16", "compile": True})
         # stage 3 eager, each block's parameters gathered as one fetch (compile's grouping, without compiling)
         runs.append({"name": name, "stage": 3, "dtype": "bf16", "fetch_blocks": True})
+        for stage in (0, 3):  # DeepSpeed 0.19.8 beside (gpu_worker: ZEROENGINE_DEEPSPEED_PATH), same model and config
+            runs.append({"name": name, "stage": stage, "dtype": "bf16", "engine": "deepspeed"})
+        runs.append({"name": name, "stage": 3, "dtype": "bf16", "offload_optimizer": True, "engine": "deepspeed"})
     for r in runs:
         r.update(model=MODELS[r["name"]], micro=micro)
     return runs
 
 
 def run_label(spec: dict) -> str:
-    """``name/s<stage>/<dtype>[/offload[@<ratio>]][/params][/compile]``, e.g. ``1.3b/s3/bf16/offload@0.5``: what
+    """``name/s<stage>/<dtype>[/offload[@<ratio>]][/params][/compile][/blocks][/deepspeed]``, e.g. ``1.3b/s3/bf16/offload@0.5``: what
     ``--only`` matches against."""
     label = f"{spec['name']}/s{spec['stage']}/{spec['dtype']}"
     if spec.get("offload_optimizer"):
@@ -111,15 +114,19 @@ def run_label(spec: dict) -> str:
         label += "/compile"
     if spec.get("fetch_blocks"):
         label += "/blocks"
+    if spec.get("engine") == "deepspeed":
+        label += "/deepspeed"
     return label
 
 
 def select(runs: list[dict], only: str) -> list[dict]:
-    """The runs whose label matches one of the comma-separated shell patterns in ``only`` (all when empty)."""
+    """The runs whose label matches one of the comma-separated shell patterns in ``only`` (all when empty), in
+    the patterns' order: a lease that ends early keeps the runs named first."""
     patterns = [p for p in only.split(",") if p]
     if not patterns:
         return runs
-    chosen = [r for r in runs if any(fnmatch.fnmatchcase(run_label(r), p) for p in patterns)]
+    chosen = [r for p in patterns for r in runs if fnmatch.fnmatchcase(run_label(r), p)]
+    chosen = [r for i, r in enumerate(chosen) if all(r is not c for c in chosen[:i])]  # once, at its first pattern
     if not chosen:
         raise SystemExit(f"bench_gpu: --only {only!r} matches none of: " + ", ".join(run_label(r) for r in runs))
     return chosen

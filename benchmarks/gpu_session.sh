@@ -26,13 +26,18 @@
 #               PipelineModule through train_batch, GPT-2 through AutoTP's engine path, the vocabulary-parallel
 #               loss), and tp=2 / pp=2 / interleaved pp=2 against the CPU reference on 2 GPUs, also with
 #               messages above NCCL's 4 MiB buffer (issue 32: every schedule's order completes)   ~2 min
+#   lease       one 15-minute lease in issue 38's priority order, each part bounded so the next still runs: the
+#               ops built (timed), tests/gpu + the FusedAdam tests (correctness: no-sync, parallel one-rank paths,
+#               offloads incl. NVMe, MoE kernels), then bench_gpu rows most wanted first: 1.3b stage 3 and 0, the
+#               same with DeepSpeed 0.19.8 beside (carry .gpu_deepspeed: scripts/gpu_wheels.sh), 1.3b optimizer
+#               offload, compiled, 350m compiled, DeepSpeed offloaded                                  ~9.5 min
 #   long_context  issues 33/38: the longest sequence one GPU trains, Llama-3-8B-shaped (as many layers as the
 #               host's memory holds the offloaded optimizer state for: --layers auto), ZeRO-3 + optimizer offload,
 #               tiled MLP and loss, every layer checkpointed, hidden states offloaded to the host; lengths double
 #               from 16K until out of memory, then bisect to 8K (ALST: 500K on an H100, 1.2M on an H200)   ~9 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe|parallel|long_context}
+PHASE=${1:?usage: bash benchmarks/gpu_session.sh tests|kernels|throughput|largest|smoke|compile|moe|parallel|lease|long_context}
 RESULTS=${OUT:-benchmarks/results/gpu_session}
 mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
@@ -59,6 +64,9 @@ setup() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
   fi
   "$PY" -c "import torch, zeroengine; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  if [ -d .gpu_deepspeed ]; then  # DeepSpeed 0.19.8 for the side-by-side rows (gpu_worker imports it from here)
+    export ZEROENGINE_DEEPSPEED_PATH="$PWD/.gpu_deepspeed"
+  fi
 }
 
 left() {  # seconds left of the phase's budget
@@ -110,6 +118,17 @@ case "$PHASE" in
     timeout "$(left)" "$PY" -m pytest -q -rs tests/gpu/test_parallel_gpu.py --junitxml="$RESULTS/parallel.xml" 2>&1 \
       | tee "$RESULTS/parallel.log" | tail -10
     ;;
+  lease)
+    started=$SECONDS
+    MAX_JOBS=16 timeout 200 "$PY" -m zeroengine.ops.build_all 2>&1 | tee "$RESULTS/ops.log" | tail -8
+    echo "gpu_session: ops built in $((SECONDS - started))s"
+    budget=$(( $(left) - 220 )); budget=$(( budget < 170 ? budget : 170 ))
+    timeout "$budget" "$PY" -m pytest -q -rs --durations=12 tests/gpu tests/unit/test_fused_adam.py -k "not test_cuda_source_compiles" \
+      --junitxml="$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -30
+    timeout $(( $(left) - 5 )) "$PY" benchmarks/bench_gpu.py --models 1.3b,350m --warmup 2 --steps 4 --timeout 120 \
+      --only '1.3b/s3/bf16,1.3b/s0/bf16,1.3b/s3/bf16/deepspeed,1.3b/s0/bf16/deepspeed,1.3b/s3/bf16/offload,1.3b/s3/bf16/compile,350m/s3/bf16/compile,1.3b/s3/bf16/offload/deepspeed' \
+      --out "$RESULTS/gpu_lease.json" 2>&1 | tail -14
+    ;;
   long_context)
     if [ "$DRY_RUN" = 1 ]; then
       timeout "$(left)" "$PY" benchmarks/bench_long_context_gpu.py --device cpu --preset tiny --start 256 \
@@ -122,7 +141,7 @@ case "$PHASE" in
     fi
     ;;
   *)
-    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile|moe|parallel|long_context)" >&2
+    echo "gpu_session: unknown phase $PHASE (tests|kernels|throughput|largest|smoke|compile|moe|parallel|lease|long_context)" >&2
     exit 2
     ;;
 esac

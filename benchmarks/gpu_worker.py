@@ -10,7 +10,11 @@ Spec keys besides the model: ``stage``, ``dtype``, ``micro``, ``compile`` (engin
 ``offload_param``, ``ratio`` (offload_optimizer.ratio, or "auto": the share of
 the Adam state the host's available memory holds, see ``auto_ratio``) and
 ``init`` (build under zero.Init on the GPU with the slices in CPU memory, so
-the whole fp32 model never sits on the GPU).
+the whole fp32 model never sits on the GPU). ``engine: "deepspeed"`` runs the same model and config through
+DeepSpeed (importable from ``$ZEROENGINE_DEEPSPEED_PATH``, e.g. the git-ignored .deepspeed_anchor/) instead:
+the side-by-side anchor. Without offload its optimizer is torch's AdamW (``torch_adam``, foreach), so its
+FusedAdam is not JIT-built inside a short lease (the step is a few percent of a 1.3B step either way); with
+optimizer offload it is DeepSpeedCPUAdam, JIT-built by the run (counted in ``build_s``, not in the steps).
 """
 from __future__ import annotations
 
@@ -89,7 +93,10 @@ def run(spec: dict) -> dict:
     }
     if spec.get("fetch_blocks"):  # stage 3: gather each block's parameters as one fetch (what compile does)
         zero["stage3_fetch_unit"] = "block"
-    engine, _, _, _ = zeroengine.initialize(model=model, config=config)
+    if spec.get("engine") == "deepspeed":
+        engine = _deepspeed_engine(model, config)
+    else:
+        engine, _, _, _ = zeroengine.initialize(model=model, config=config)
     if spec.get("compile"):  # each block's forward under torch.compile; the first step compiles
         engine.compile()
 
@@ -113,7 +120,7 @@ def run(spec: dict) -> dict:
     times.sort()
     step_s = times[len(times) // 2]
     tokens = spec["micro"] * cfg.block_size
-    mem = engine.memory_breakdown()
+    mem = {} if spec.get("engine") == "deepspeed" else engine.memory_breakdown()  # (DeepSpeed's is a config flag)
     return {
         **spec, "params": params, "build_s": round(build_s, 2), "first_step_s": first_step_s and round(first_step_s, 2),
         "step_s": step_s,
@@ -125,6 +132,20 @@ def run(spec: dict) -> dict:
     }
 
 
+def _deepspeed_engine(model, config: dict):
+    """DeepSpeed 0.19.8 on the same model and config (its keys are DeepSpeed's); import path from the env."""
+    path = os.environ.get("ZEROENGINE_DEEPSPEED_PATH")
+    if path:
+        sys.path.insert(0, path)
+    import deepspeed
+
+    config = json.loads(json.dumps(config))
+    if "offload_optimizer" not in config["zero_optimization"]:
+        config["optimizer"]["params"].update(torch_adam=True, foreach=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     try:
@@ -134,7 +155,10 @@ def main() -> int:
     except MemoryError as err:
         result = {**spec, "error": f"host out of memory: {err}"}
     print("RESULT " + json.dumps(result), flush=True)
-    zeroengine.comm.shutdown()
+    if spec.get("engine") == "deepspeed":
+        torch.distributed.destroy_process_group()
+    else:
+        zeroengine.comm.shutdown()
     return 0
 
 

@@ -45,9 +45,11 @@ def test_only_selects_runs_by_label_and_names_the_labels_when_nothing_matches():
     labels = [bench_gpu.run_label(r) for r in runs]
     assert "1.3b/s3/bf16/offload@0.5" in labels and "350m/s3/bf16/offload/params" in labels
     assert "1.3b/s3/bf16/compile" in labels and "350m/s3/bf16/blocks" in labels
-    chosen = bench_gpu.select(runs, "1.3b/s0/*,*/s2/fp16")
-    assert [bench_gpu.run_label(r) for r in chosen] == ["350m/s2/fp16", "1.3b/s0/bf16", "1.3b/s2/fp16",
-                                                        "1.3b/s0/bf16/compile"]
+    assert "1.3b/s3/bf16/deepspeed" in labels and "1.3b/s3/bf16/offload/deepspeed" in labels
+    # the patterns' order (a lease cut short keeps the runs named first), each run once
+    chosen = bench_gpu.select(runs, "1.3b/s0/*,*/s2/fp16,1.3b/s0/bf16")
+    assert [bench_gpu.run_label(r) for r in chosen] == ["1.3b/s0/bf16", "1.3b/s0/bf16/compile",
+                                                        "1.3b/s0/bf16/deepspeed", "350m/s2/fp16", "1.3b/s2/fp16"]
     assert bench_gpu.select(runs, "") == runs
     with pytest.raises(SystemExit, match="350m/s0/bf16"):
         bench_gpu.select(runs, "2.7b/*")
