@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.timeout(780)]  # _spawn's bounds: 300 s for each of 2 ranks' results, 60 s for each exit
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tests/ (pipe_models), tests/distributed (test_real_models: the Hugging Face models), examples/gpt
+IMPORT_PATHS = [TESTS, os.path.join(TESTS, "distributed"), os.path.join(os.path.dirname(TESTS), "examples", "gpt")]
 
 
 def _port() -> int:
@@ -23,7 +25,7 @@ def _port() -> int:
 
 
 def _worker(rank, world, port, kind, queue):
-    sys.path[:0] = [TESTS, os.path.join(os.path.dirname(TESTS), "examples", "gpt")]
+    sys.path[:0] = IMPORT_PATHS
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -112,7 +114,7 @@ def test_pipeline_on_nccl_matches_the_cpu_reference(world, kind):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_autotp_gpt2_on_nccl_matches_the_cpu_model(world):
-    sys.path[:0] = [TESTS, os.path.join(os.path.dirname(TESTS), "examples", "gpt")]
+    sys.path[:0] = IMPORT_PATHS
     from test_real_models import build, loss_of
 
     results = _spawn(world, "tp")

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from zeroengine.moe.grouped_cpu import GradWorkspace, expert_mlp
+from zeroengine.ops import moe_dispatch
 from zeroengine.ops.moe_dispatch import (
     backend,
     permute_tokens,
@@ -31,23 +32,35 @@ def _routing(tokens, experts, k, dropped, seed):
     return order // k, rows.view(tokens, k), counts
 
 
+class _OneTensorKernel:
+    """Only the entry points the CUDA op has (no per-expert segments), over the CPU kernel: the path CUDA
+    tensors take through permute_tokens_split / unpermute_combine_segments, exercised on the CPU."""
+
+    def __init__(self, kernel):
+        self.gather_rows, self.combine_rows = kernel.gather_rows, kernel.combine_rows
+        self.combine_rows_backward = kernel.combine_rows_backward
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("tokens,experts,k,dropped", [(40, 5, 2, 7), (33, 4, 1, 0), (6, 8, 2, 1)])
-def test_segment_ops_match_single_tensor_reference(tokens, experts, k, dropped, dtype):
+def test_segment_ops_match_single_tensor_reference(tokens, experts, k, dropped, dtype, monkeypatch):
     index, rows, counts = _routing(tokens, experts, k, dropped, seed=tokens)
     weights = torch.rand(tokens, k)
     x = torch.randn(tokens, 12, dtype=dtype)
     probe = torch.randn(tokens, 12, dtype=dtype)
     scale = [torch.randn(12, dtype=dtype) for _ in range(experts)]  # a different "expert" per segment
     runs = {}
-    for impl in ("kernel", "torch"):
+    for impl in ("kernel", "torch", "one-tensor kernel"):
+        if impl == "one-tensor kernel":
+            monkeypatch.setitem(moe_dispatch._kernels, "cpu", _OneTensorKernel(moe_dispatch._kernels["cpu"]))
         xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        impl = impl.split()[-1]
         chunks = permute_tokens_split(xl, index, rows, counts, impl=impl)
         assert [c.shape[0] for c in chunks] == counts
         ys = [c * s for c, s in zip(chunks, scale)]
         out = unpermute_combine_segments(ys, rows, wl, covers_all=True, impl=impl)
         (out * probe).sum().backward()
-        runs[impl] = (torch.cat(chunks).detach(), out.detach(), xl.grad, wl.grad)
+        runs[len(runs)] = (torch.cat(chunks).detach(), out.detach(), xl.grad, wl.grad)
     # the single-tensor ops (themselves tested against their references in test_moe_ops.py)
     xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()
     permuted = permute_tokens(xl, index, rows, impl="torch")

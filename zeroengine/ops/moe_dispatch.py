@@ -241,10 +241,20 @@ class _CombineSegments(torch.autograd.Function):
         return (None, grad_w if need_w else None, None, None, None, *grad_ys)
 
 
+def _has_segment_kernels(t: torch.Tensor, impl: str) -> bool:
+    """Whether the per-expert-segment entry points serve ``t``: the CPU op has them (no concatenation of the
+    experts' rows), the CUDA op does not (a concatenation is one fast device copy there); with no kernel
+    the segment autograd functions run the PyTorch reference."""
+    kernel = _kernel(t, impl)
+    return kernel is None or hasattr(kernel, "gather_rows_split")
+
+
 def permute_tokens_split(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, counts: list[int],
                          impl: str = "auto", checked: bool = False) -> tuple[torch.Tensor, ...]:
     """:func:`permute_tokens` returned as one tensor per expert (``counts[e]`` consecutive rows each).
     ``checked=True`` skips the index range check (maps built by the fused gate kernel are in range)."""
+    if not _has_segment_kernels(x, impl):  # (the CUDA op: one gather, split into views by autograd)
+        return permute_tokens(x, index, rows, impl=impl).split(list(counts))
     return _PermuteSplit.apply(x, index, rows, list(counts), impl, checked)
 
 
@@ -252,6 +262,8 @@ def unpermute_combine_segments(ys, rows: torch.Tensor, weights: torch.Tensor | N
                                covers_all: bool = False, impl: str = "auto", checked: bool = False) -> torch.Tensor:
     """:func:`unpermute_combine` of the concatenation of ``ys`` (rows index into it), without concatenating
     (``checked`` as in :func:`permute_tokens_split`)."""
+    if not _has_segment_kernels(ys[0], impl):  # (the CUDA op: one combine of the concatenation)
+        return unpermute_combine(torch.cat(list(ys)), rows, weights, covers_all=covers_all, impl=impl)
     if weights is not None and weights.dtype != torch.float32:
         weights = weights.float()
     return _CombineSegments.apply(rows, None if weights is None else weights.contiguous(), covers_all, impl,
