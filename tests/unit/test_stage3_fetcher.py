@@ -156,3 +156,46 @@ def test_regrouping_is_refused_while_a_pass_is_running():
     f.begin_pass(grad_enabled=True)
     with pytest.raises(RuntimeError, match="between training steps"):
         f.forget_order()
+
+
+class CountingBuffer(FakeBuffer):
+    def __init__(self):
+        super().__init__()
+        self.looks = 0
+
+    def is_fetched(self, bucket):
+        self.looks += 1
+        return super().is_fetched(bucket)
+
+
+def test_prefetching_looks_at_each_event_of_a_pass_a_bounded_number_of_times():
+    """A budget larger than the model: every event ahead is gathered at the first one, and later events must
+    not rescan the gathered window (it was quadratic: 48 units, ~1,200 looks per pass instead of ~200)."""
+    n = 48
+    buffer = CountingBuffer()
+    f = Fetcher([Unit(buffer, FakeBucket(i), True) for i in range(n)], FetchPolicy(prefetch_numel=10**9))
+    one_pass(f, order=tuple(range(n)))
+    buffer.looks = 0
+    buffer.calls.clear()
+    one_pass(f, order=tuple(range(n)))
+    assert [c for c in buffer.calls if c[0] == "gather"] == [("gather", 0)]  # the rest came prefetched
+    assert buffer.looks <= 6 * n
+
+
+def test_a_unit_released_before_its_next_use_is_prefetched_again_for_it():
+    """Unit 0 is released after its forward (its backward is further than max_reuse_distance); prefetching,
+    which had looked past that backward already, looks again from there and gathers it ahead of use."""
+    f, buf = fetcher(3, prefetch_numel=10**6, max_reuse_distance=15)
+    one_pass(f, order=(0, 1, 2))  # replayed: f0 f1 f2 b2 b1 b0
+    buf.calls.clear()
+    f.begin_pass(grad_enabled=True)
+    forward(f, 0)  # gathers 0, prefetches 1 and 2, releases 0 (next use: 40 elements away)
+    assert buf.calls == [("gather", 0), ("prefetch", 1), ("prefetch", 2), ("release", 0)]
+    forward(f, 1)  # the next event's prefetch brings unit 0 back ahead of its backward
+    assert ("prefetch", 0) in buf.calls[4:]
+    for u in (2,):
+        forward(f, u)
+    for u in (2, 1, 0):
+        backward(f, u)
+    f.end_pass()
+    assert [c for c in buf.calls if c[0] == "gather"] == [("gather", 0)]

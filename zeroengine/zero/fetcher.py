@@ -63,20 +63,49 @@ class FetchPolicy:
                    int(zero_config.stage3_max_reuse_distance))
 
 
+class UnitSet(set):
+    """A set of unit indices that keeps the elements its units hold (``numel``), so the prefetch budget is
+    read in O(1) rather than summed over everything fetched ahead at every event."""
+
+    def __init__(self, unit_numel: list[int]):
+        super().__init__()
+        self.unit_numel = unit_numel
+        self.numel = 0
+
+    def add(self, u: int) -> None:
+        if u not in self:
+            super().add(u)
+            self.numel += self.unit_numel[u]
+
+    def discard(self, u: int) -> None:
+        if u in self:
+            super().discard(u)
+            self.numel -= self.unit_numel[u]
+
+    def clear(self) -> None:
+        super().clear()
+        self.numel = 0
+
+
 class Fetcher:
     def __init__(self, units: list[Unit], policy: FetchPolicy = FetchPolicy()):
         self.units = units
         self.policy = policy
         self.trace = ExecutionTrace([u.numel for u in units])
         self.in_use: dict[int, int] = defaultdict(int)  # unit -> module calls running with it
-        self.prefetched: set[int] = set()  # fetched ahead, not yet asked for
+        self.prefetched = UnitSet([u.numel for u in units])  # fetched ahead, not yet asked for
         self.kept: set[int] = set()  # kept gathered after use (reuse distance)
+        # Trace events before this index (and from the cursor on) have every unit gathered or on its way, so
+        # prefetching resumes here instead of rescanning the window at every event (a release before a unit's
+        # next use moves it back: _release).
+        self.scanned = 0
         self.order_check = units[0].buffer.order_check if units else None  # one check shared by the buffers
 
     # -- passes ----------------------------------------------------------------------------
     def begin_pass(self, grad_enabled: bool) -> None:
         """The model's forward starts a pass."""
         self.trace.begin_pass(grad_enabled)
+        self.scanned = 0
         if self.order_check is not None:
             self.order_check.begin_pass(self.trace.replaying)
 
@@ -218,18 +247,24 @@ class Fetcher:
         return not fetched
 
     def _prefetch(self) -> None:
-        ahead = sum(self.units[u].numel for u in self.prefetched)
-        for event in self.trace.upcoming():
+        ahead = self.prefetched.numel
+        events = self.trace.events
+        i = max(self.trace.cursor, self.scanned)
+        while i < len(events):
+            event = events[i]
             for u in event.units:
                 unit = self.units[u]
                 if unit.buffer.is_fetched(unit.bucket):
                     continue
                 if ahead + unit.numel > self.policy.prefetch_numel or \
                         self._live() + unit.numel > self.policy.max_live_numel:
+                    self.scanned = i
                     return
                 unit.buffer.fetch_async(unit.bucket, f"module {event.module} ({event.phase})")
                 self.prefetched.add(u)
                 ahead += unit.numel
+            i += 1
+        self.scanned = i
 
     def _live(self) -> int:
         return self.units[0].buffer.stats.live_numel  # one FetchStats shared by the buffers
@@ -256,3 +291,6 @@ class Fetcher:
         unit.buffer.release(unit.bucket)
         self.prefetched.discard(u)
         self.kept.discard(u)
+        use = self.trace.next_use(u)
+        if use is not None and use < self.scanned:
+            self.scanned = use  # needed again within what prefetching looked at: look again from there

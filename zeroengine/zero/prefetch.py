@@ -138,19 +138,21 @@ class ExecutionTrace:
             return self.events[self.cursor]
         return None
 
-    def upcoming(self):
-        """The events after the current one, in order."""
-        return self.events[self.cursor:]
-
-    def reuse_distance(self, unit: int) -> int | None:
-        """Elements fetched from now until ``unit``'s next use in this pass (None: not used again)."""
+    def next_use(self, unit: int) -> int | None:
+        """The index of the next event (from the cursor on) that needs ``unit``, while replaying (None: not
+        used again in this pass, or not replaying)."""
         if not self.replaying:
             return None
         uses = self._uses.get(unit, ())
         i = bisect_left(uses, self.cursor)
-        if i == len(uses):
+        return uses[i] if i < len(uses) else None
+
+    def reuse_distance(self, unit: int) -> int | None:
+        """Elements fetched from now until ``unit``'s next use in this pass (None: not used again)."""
+        use = self.next_use(unit)
+        if use is None:
             return None
-        return self._numel_before[uses[i]] - self._numel_before[self.cursor]
+        return self._numel_before[use] - self._numel_before[self.cursor]
 
     def _freeze(self, events: list[FetchEvent]) -> None:
         self.events = list(events)
