@@ -23,18 +23,34 @@ _WIDTH = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_optimizer: bool | float = False,
                     offload_param: bool = False, dtype: torch.dtype = torch.float32,
                     optimizer_state_bytes_per_param: int = 8, tensor_parallel_size: int = 1,
-                    pipeline_parallel_size: int = 1) -> dict[str, float]:
+                    pipeline_parallel_size: int = 1, optimizer: str | None = None,
+                    optimizer_params: dict | None = None) -> dict[str, float]:
     """Predicted bytes of model states on one rank, by kind and by place ("device" / "cpu").
 
     ``offload_optimizer`` may be a fraction (``offload_optimizer.ratio``, partial offload): that share of
     the masters and optimizer state is in CPU memory, the rest on the device; in fp32 training only the
     offloaded share has masters (the resident share steps the parameters themselves). For a module,
     parameters count all its parameters and the rest only the trainable ones (frozen ones have no gradient,
-    master or optimizer state); a count is taken as all trainable."""
+    master or optimizer state); a count is taken as all trainable.
+
+    ``optimizer`` (a config's ``optimizer.type``, with its ``optimizer_params``) replaces
+    ``optimizer_state_bytes_per_param`` by that optimizer's state (zeroengine/optim/state_bytes.py): Adam 8 bytes
+    per parameter, SGD 4 with momentum, Adafactor 4 × (rows + cols) per matrix and SM3 4 × the sum of its
+    dimensions (4 per element for vectors; SM3's momentum adds 4 per parameter). Those two need the module (their
+    state depends on shapes). Sharded, the state divides by N; a matrix cut between ranks has its row and column
+    statistics on each rank holding a piece, a few rows' worth more than 1/N."""
+    from zeroengine.optim.state_bytes import needs_shapes, state_bytes
+
+    state_total = None
     if isinstance(model_or_param_count, torch.nn.Module):
         params = list(model_or_param_count.parameters())
         psi_all = sum(p.numel() for p in params)
         psi = sum(p.numel() for p in params if p.requires_grad)
+        if optimizer is not None:
+            from zeroengine.zero.param_guard import full_shape
+
+            state_total = sum(state_bytes(optimizer, tuple(full_shape(p)), optimizer_params)
+                              for p in params if p.requires_grad)
     else:
         count = model_or_param_count
         if isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0 \
@@ -42,6 +58,10 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
             raise ValueError(f"model_or_param_count must be an nn.Module or a whole number of parameters >= 0, "
                              f"got {count!r}")
         psi = psi_all = int(count)
+        if optimizer is not None:
+            if needs_shapes(optimizer):
+                raise ValueError(f"{optimizer}'s state depends on the parameters' shapes: pass the module, not a count")
+            state_total = state_bytes(optimizer, (psi,), optimizer_params)
     for name, size in (("tensor_parallel_size", tensor_parallel_size),
                        ("pipeline_parallel_size", pipeline_parallel_size)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -70,8 +90,10 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
         "params": width * psi_all / (n if sharded["params"] else 1),
         "grads": width * psi / (n if sharded["grads"] else 1),
         "master_params": 4 * stepped * (1.0 if dtype != torch.float32 else ratio),
-        "optimizer_states": optimizer_state_bytes_per_param * stepped,
+        # (an optimizer's own formula: its whole state split evenly, over the model-parallel ranks too)
+        "optimizer_states": (optimizer_state_bytes_per_param * stepped if state_total is None else
+                             state_total / split / (n if sharded["optimizer"] else 1)),
     }
-    on_cpu = ratio * (4 + optimizer_state_bytes_per_param) * stepped + (est["params"] if offload_param else 0.0)
+    on_cpu = ratio * (4 * stepped + est["optimizer_states"]) + (est["params"] if offload_param else 0.0)
     total = sum(est.values())
     return {**est, "cpu": on_cpu, "device": total - on_cpu, "total": total}

@@ -107,7 +107,22 @@ def test_deepspeed_flags_with_default_values_are_accepted():
 
 
 def test_names_listed():
-    assert OPTIMIZER_NAMES == ("Adam", "AdamW", "SGD", "CPUAdam")
+    assert OPTIMIZER_NAMES == ("Adam", "AdamW", "SGD", "CPUAdam", "Adafactor", "SM3")
+
+
+def test_matrix_optimizers_take_their_own_parameters_and_defaults():
+    from zeroengine.optim.adafactor import Adafactor
+    from zeroengine.optim.sm3 import SM3
+
+    params = [torch.nn.Parameter(torch.zeros(3, 2))]
+    ada = build_optimizer("adafactor", {"eps": [None, 1e-2], "d": 2.0}, params)
+    assert type(ada) is Adafactor
+    assert ada.defaults["lr"] == 1e-2 and ada.defaults["eps"] == (None, 1e-2) and ada.defaults["d"] == 2.0
+    assert type(build_optimizer("SM3", {}, params)) is SM3 and build_optimizer("SM3", {}, params).defaults["lr"] == 0.1
+    with pytest.raises(ValueError, match="eps"):
+        build_optimizer("Adafactor", {"eps": 1e-3}, params)
+    with pytest.raises(ValueError, match="betas"):
+        build_optimizer("SM3", {"betas": [0.9, 0.99]}, params)
 
 
 # ---- CPUAdam (the op lives elsewhere; a stand-in checks the translation) ----

@@ -29,7 +29,7 @@ from . import tensor_split as ts
 from .agreement import exchange, raise_failures
 from .files import CheckpointError
 from .formats import read_manifest
-from .state import parameter_places, restore_rng, stored_shape
+from .state import WHOLE_PARAMETER, parameter_places, restore_rng, stored_shape
 
 
 def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
@@ -413,6 +413,8 @@ class _Plan:
         group = next(g for g in self.engine.optimizer.param_groups if any(p is target for p in g["params"]))
         on_device = group.get("fused") or group.get("capturable")
         out = {key: m.to(device=target.device).view(target.shape) for key, m in moments.items()}
+        for key, v in scalars.pop(WHOLE_PARAMETER, {}).items():  # whole-parameter statistics: as saved
+            out[key] = v.clone().to(target.device)
         for key, v in scalars.items():
             # torch.optim keeps "step" on the CPU unless the step runs fused/captured on the device.
             out[key] = v.clone().to(target.device if on_device else "cpu") if isinstance(v, torch.Tensor) else v

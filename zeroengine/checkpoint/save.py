@@ -35,6 +35,7 @@ from . import manifest as mf
 from .agreement import exchange, gather_to_rank0, raise_failures
 from .files import CheckpointError, fsync_dir, save_json, save_tensors, save_text
 from .state import (
+    WHOLE_PARAMETER,
     capture_rng,
     check_plain,
     numbers_as_python,
@@ -42,6 +43,7 @@ from .state import (
     parameter_names,
     parameter_places,
     stored_shape,
+    whole_parameter_keys,
 )
 from .stateful import registered_states, split_client_state
 
@@ -174,6 +176,7 @@ def _shard_payload(engine, rank: int, module_extras: dict | None = None) -> tupl
     Returns the payload and its entry in the manifest's file table (less what writing it adds)."""
     places = parameter_places(engine.module)
     state = engine.optimizer.state
+    whole_keys = whole_parameter_keys(engine.optimizer)
     entries, index = [], []
     replicated_over_tp = engine.mesh.tp_rank > 0  # what every tensor rank holds alike: the first one writes
     for piece in engine.optimizer.checkpoint_pieces():
@@ -185,7 +188,10 @@ def _shard_payload(engine, rank: int, module_extras: dict | None = None) -> tupl
         if value.untyped_storage().nbytes() > value.numel() * value.element_size():
             value = value.clone()  # a view into a larger flat buffer: torch.save would write all of it
         opt_state = {k: (v.detach().reshape(-1) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                     for k, v in state.get(piece.opt_param, {}).items()}
+                     for k, v in state.get(piece.opt_param, {}).items() if k not in whole_keys}
+        whole = {k: v.detach().cpu().clone() for k, v in state.get(piece.opt_param, {}).items() if k in whole_keys}
+        if whole:  # (statistics of the whole parameter, the same on every rank holding a piece: kept whole)
+            opt_state[WHOLE_PARAMETER] = whole
         entries.append({"value": value.float() if value.dtype != torch.float32 else value, "state": opt_state})
         place = places[id(piece.param)]
         index.append([place.name, place.offset + piece.start, place.offset + piece.end])

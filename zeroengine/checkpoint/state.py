@@ -53,6 +53,18 @@ def parameter_aliases(module: torch.nn.Module, names: dict[int, str]) -> dict[st
             if names[id(p)] != name}
 
 
+# -- optimizer state that is not per element ---------------------------------
+# Matrix-wise optimizers (Adafactor's row/column moments, SM3's accumulators) keep statistics of the whole
+# parameter beside per-element state; each rank holding a piece has the same copy. A checkpoint keeps them whole
+# under this key of each entry's state, and a load gives them to every piece of the parameter, whatever the
+# partition (zeroengine/optim/partitioned.py: ``whole_parameter_state``).
+WHOLE_PARAMETER = "whole_parameter"
+
+
+def whole_parameter_keys(zero_optimizer) -> tuple[str, ...]:
+    return tuple(getattr(getattr(zero_optimizer, "optimizer", zero_optimizer), "whole_parameter_state", ()))
+
+
 # -- RNG ----------------------------------------------------------------------
 def capture_rng() -> dict:
     state = {"torch": torch.get_rng_state(), "python": _plain(random.getstate())}

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 
 import torch
 
+from zeroengine.optim.partitioned import stepping
+
 
 def unscale_and_clip(grad: torch.Tensor, inv_scale: float, clip_coef: float) -> None:
     """In place, in the in-memory path's order and precision: unscale (fp16's loss scale), then clip."""
@@ -145,7 +147,7 @@ class OffloadedStep:
     def _step_bucket(self, i: int, b: int, bucket, grad: torch.Tensor) -> torch.Tensor:
         """Step bucket b (the i-th offloaded one); returns its updated values to send."""
         wheres = bucket.pieces_in_chunk(self.rank)
-        with pieces_holding(self.pieces[b], wheres, grad):
+        with pieces_holding(self.pieces[b], wheres, grad), stepping(self.optimizer, [b]):
             if self.copy_buffers is None:
                 self.optimizer.step()
                 return self.chunks[b]

@@ -40,7 +40,7 @@ class OptimizerParamsError(ConfigError, ValueError):
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_NAMES = ("Adam", "AdamW", "SGD", "CPUAdam")
+OPTIMIZER_NAMES = ("Adam", "AdamW", "SGD", "CPUAdam", "Adafactor", "SM3")
 DEFAULT_LR = 1e-3
 
 # FusedAdam / DeepSpeedCPUAdam options with no torch counterpart. Their only
@@ -118,8 +118,31 @@ def _build_cpu_adam(name: str, kwargs: dict, groups: list, offload_optimizer: bo
     return _construct(_import_cpu_adam(required=True), groups, {**kwargs, "adamw_mode": adamw_mode}, name)
 
 
+def _build_adafactor(name: str, kwargs: dict, groups: list, offload_optimizer: bool) -> torch.optim.Optimizer:
+    """torch.optim.Adafactor's parameters and update, on the pieces ZeRO partitions (zeroengine/optim/adafactor.py);
+    with offload it steps the pieces in host memory the same way."""
+    from .adafactor import Adafactor
+
+    if "eps" in kwargs:
+        eps = kwargs["eps"]
+        if not isinstance(eps, (list, tuple)) or len(eps) != 2:
+            raise OptimizerParamsError("optimizer.params.eps", f"Adafactor's eps is a pair [eps1 or null, eps2], "
+                                       f"got {eps!r}")
+        kwargs["eps"] = (None if eps[0] is None else float(eps[0]), float(eps[1]))
+    kwargs.setdefault("lr", 1e-2)  # torch's default (the global DEFAULT_LR is Adam's)
+    return _construct(Adafactor, groups, kwargs, name)
+
+
+def _build_sm3(name: str, kwargs: dict, groups: list, offload_optimizer: bool) -> torch.optim.Optimizer:
+    from .sm3 import SM3
+
+    kwargs.setdefault("lr", 0.1)
+    return _construct(SM3, groups, kwargs, name)
+
+
 _BUILDERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
     "Adam": _build_adam, "AdamW": _build_adam, "SGD": _build_sgd, "CPUAdam": _build_cpu_adam,
+    "Adafactor": _build_adafactor, "SM3": _build_sm3,
 }
 
 

@@ -15,6 +15,7 @@ import torch
 from zeroengine import comm
 from zeroengine.config import ConfigError
 from zeroengine.offload.nvme import InCpuBudget
+from zeroengine.optim.partitioned import PartitionAware
 from zeroengine.parallel.mesh import ProcessMesh, data_parallel_mesh
 from zeroengine.precision.master_weights import MasterWeights
 from zeroengine.tensor_parallel.layers import split_of
@@ -30,6 +31,7 @@ from .layout import build_layout
 from .moe_split import ExpertDataParallelOptimizer, ExpertShardedOptimizer, ParamDomain, split_domains
 from .optimizer import ZeroOptimizer, trained_group_of
 from .param_guard import full_shape
+from .partition_info import attach_partition
 from .partitioned_params import FetchStats, PartitionedParamBuffer
 from .records import record_buffer
 from .sharded import ShardedOptimizer
@@ -73,6 +75,10 @@ def _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_
     if domains and mesh.sp > 1:
         raise ConfigError("sequence_parallel_size", f"MoE layers with sequence parallelism ({mesh.describe()}) are "
                           "not supported yet: expert groups are cut from the whole world")
+    if isinstance(optimizer, PartitionAware) and (domains or mesh.tp > 1):
+        what = "MoE expert parameters" if domains else f"tensor parallelism ({mesh.describe()})"
+        raise ConfigError("optimizer.type", f"{type(optimizer).__name__} reduces row and column statistics over "
+                          f"whole matrices, which is not built for {what}: use Adam/AdamW/SGD there")
     if domains and mesh.model_parallel:
         raise ConfigError("expert_parallel", f"MoE layers with tensor or pipeline parallelism ({mesh.describe()}) are "
                           "not supported yet: expert groups are cut from the whole world")
@@ -114,7 +120,7 @@ def check_shardable(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     """Stages 1-3 step flat slices; an optimizer that looks at whole tensors (LAMB's trust ratio,
     Adafactor's factored moments, L-BFGS) would silently compute something else."""
     name = type(optimizer).__name__
-    if name in _ELEMENTWISE or allow_untested:
+    if name in _ELEMENTWISE or allow_untested or isinstance(optimizer, PartitionAware):
         return
     raise ConfigError("zero_allow_untested_optimizer",
                       f"{name} is not known to be elementwise, and ZeRO stages 1-3 step flat shards of each "
@@ -358,5 +364,6 @@ def _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer,
                   buffer.rank, group=buffer.group, after_backward=after_backward,
                   offload=zero_config.offload_optimizer, **stage_parts)
     sharded.adopt_param_groups([group_of[id(p)] for p in params])
+    attach_partition(sharded, params)
     record_buffer(buffer, sharded)
     return sharded

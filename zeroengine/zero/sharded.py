@@ -29,9 +29,11 @@ from contextlib import nullcontext
 import torch
 
 from zeroengine import comm
+from zeroengine.config import ConfigError
 from zeroengine.memory import MemoryTally
 from zeroengine.offload import DelayedUpdate, OffloadedStep, place_buckets
 from zeroengine.offload.nvme import optimizer_swapper
+from zeroengine.optim.partitioned import PartitionAware, stepping
 
 from .flat_params import gather_chunk
 from .layout import FlatLayout
@@ -61,6 +63,10 @@ class ShardedOptimizer(ZeroOptimizer):
         # device "nvme": the offloaded buckets' masters and optimizer state live in swap files, each bucket
         # written as soon as its masters are made (zeroengine/offload/nvme/optimizer_swap.py).
         self.swapper = None
+        if host and offload.device == "nvme" and isinstance(optimizer, PartitionAware):
+            raise ConfigError("zero_optimization.offload_optimizer.device",
+                              f"{type(optimizer).__name__} keeps per-matrix statistics, which the NVMe swap (one "
+                              "value per element in each state file) does not hold yet: use device \"cpu\"")
         if host and offload.device == "nvme":
             self.swapper = optimizer_swapper(offload, optimizer, self.chunks, self.pieces, self.layout, rank, host,
                                              pin=bool(offload.pin_memory) and torch.cuda.is_available())
@@ -76,6 +82,10 @@ class ShardedOptimizer(ZeroOptimizer):
         self.offloaded_step = None if not host else OffloadedStep(
             optimizer, self.layout, rank, self.chunks, self.pieces, copy_dtype, bool(offload.pin_memory),
             buckets=host, swapper=self.swapper)
+        if host and offload.delayed_update and isinstance(optimizer, PartitionAware):
+            raise ConfigError("zero_optimization.offload_optimizer.delayed_update",
+                              f"{type(optimizer).__name__} reduces statistics across ranks inside its step, which "
+                              "the delayed update runs in a background thread: turn delayed_update off")
         self.delayed = None if not host or not offload.delayed_update else DelayedUpdate(
             optimizer, self.layout, rank, self.pieces, host, bool(offload.pin_memory),
             offload.delayed_update_warmup_steps)
@@ -267,7 +277,8 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def _optimizer_step(self) -> None:
         if self.resident_buckets:
-            self.optimizer.step()  # only resident pieces have a .grad yet
+            with stepping(self.optimizer, self.resident_buckets):
+                self.optimizer.step()  # only resident pieces have a .grad yet
         self.drop_resident_grads()
         self.step_offloaded()
 

@@ -120,15 +120,51 @@ class CPUAdamParams(ConfigModel):
         return self
 
 
+def _eps_pair(value: Any) -> Any:
+    # JSON has no tuples (and eps1 may be null: the parameter dtype's machine epsilon)
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ValueError(f"expected [eps1 or null, eps2], got {list(value)!r}")
+        return tuple(value)
+    return value
+
+
+class AdafactorParams(ConfigModel):
+    """``Adafactor``: torch.optim.Adafactor's parameters and update (factored second moments of each matrix), exact
+    at every ZeRO stage and with optimizer offload (zeroengine/optim/adafactor.py)."""
+
+    lr: NonNegativeFloat = Field(1e-2, description="Learning rate (the step is at most lr, and 1/sqrt(step)).")
+    beta2_decay: float = Field(-0.8, le=0, description="The second moments' decay: beta2 at step t is 1 - t^beta2_decay.")
+    eps: Annotated[Tuple[Optional[Annotated[float, Field(ge=0)]], Annotated[float, Field(ge=0)]],
+                   BeforeValidator(_eps_pair)] = Field(
+        (None, 1e-3), description="[eps1, eps2]: eps1 floors the second moment (null: the dtype's machine epsilon), "
+                                  "eps2 the parameter's RMS in the step size.")
+    d: float = Field(1.0, ge=1, description="Clipping threshold of the update's RMS.")
+    weight_decay: NonNegativeFloat = _WEIGHT_DECAY
+    maximize: bool = Field(False, description="Maximize the objective.")
+    foreach: Optional[bool] = Field(None, description="Accepted for torch's signature; no effect.")
+
+
+class SM3Params(ConfigModel):
+    """``SM3``: Anil et al. 2019's SM3-II: one accumulator per row and per column of each matrix (per element for
+    vectors), exact at every ZeRO stage and with optimizer offload (zeroengine/optim/sm3.py)."""
+
+    lr: NonNegativeFloat = Field(0.1, description="Learning rate.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="Momentum on the preconditioned gradient, m = momentum * m + "
+                                                         "(1 - momentum) * update (0: the paper's step, no buffer).")
+    eps: NonNegativeFloat = Field(0.0, description="Added to sqrt(nu) in the denominator (0: the paper's 0/0 = 0).")
+
+
 OPTIMIZER_PARAMS: Dict[str, Type[ConfigModel]] = {
     "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams, "CPUAdam": CPUAdamParams,
+    "Adafactor": AdafactorParams, "SM3": SM3Params,
 }
 
 
 class OptimizerConfig(ConfigModel):
     """The optimizer zeroengine builds (leave the section out to pass your own to initialize())."""
 
-    type: str = Field(description="One of Adam, AdamW, SGD, CPUAdam (any capitalisation).")
+    type: str = Field(description="One of Adam, AdamW, SGD, CPUAdam, Adafactor, SM3 (any capitalisation).")
     params: Dict[str, Any] = Field(default_factory=dict,
                                    description="Arguments of the optimizer; the keys depend on type (see below).")
 

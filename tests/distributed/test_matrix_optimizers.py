@@ -1,0 +1,161 @@
+"""Adafactor and SM3 (matrix-wise second moments) at ZeRO stages 0-3, with optimizer offload, and through
+checkpoints that reshard, in gloo worlds: each run equals the same optimizer on whole tensors in one process
+(torch.optim.Adafactor; the paper's SM3 in tests/sm3_reference.py) within 1e-5 in fp32. ZeRO hands the
+optimizer flat pieces of parameters (the tiny model's small buckets cut matrices mid-row across ranks); the
+row and column statistics are reduced over the ranks (zeroengine/optim/partitioned.py)."""
+import pytest
+import torch
+from parity import ADAM_EPS, base_config, engine_losses, global_batches, make_model, reference_run
+from sm3_reference import ReferenceSM3
+from test_checkpoint_reshard import MORE, SAVE_AT, config, full_state, train
+
+import zeroengine
+from zeroengine.config import ConfigError
+from zeroengine.testing import run_distributed
+
+STEPS = 5
+OPTIMIZERS = {
+    "Adafactor": ({"lr": 2e-2, "weight_decay": 0.01},
+                  lambda params: torch.optim.Adafactor(params, lr=2e-2, weight_decay=0.01)),
+    # eps as parity.ADAM_EPS, for the same reason: the attention's key bias has a gradient of pure rounding noise
+    # (softmax ignores a shift of every key), which g / sqrt(nu) would blow up to lr-sized steps of random sign
+    "SM3": ({"lr": 3e-2, "momentum": 0.5, "eps": ADAM_EPS},
+            lambda params: ReferenceSM3(params, lr=3e-2, momentum=0.5, eps=ADAM_EPS)),
+}
+
+
+def _config(name, micro, gas, world, stage, offload=None):
+    cfg = base_config(micro, gas, world, 0.5, stage=stage)
+    cfg["optimizer"] = {"type": name, "params": OPTIMIZERS[name][0]}
+    if offload is not None:  # 1.0, or a ratio: partial offload
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": offload}
+    return cfg
+
+
+def train_matrix(rank, world, name, stage, offload=None):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_config(name, 2, 2, world, stage, offload))
+    assert type(engine.optimizer.optimizer).__name__ == name
+    if stage > 0:  # the pieces really are cut mid-matrix somewhere (else the test would prove little)
+        places = engine.optimizer.optimizer.partition.places.values()
+        assert any(len(p.shape) > 1 and not p.whole for p in places)
+    losses = engine_losses(engine, global_batches(STEPS, 2, world, 2), rank, world)
+    return losses, full_state(engine)
+
+
+def _check(results, name, world):
+    ref_losses, ref_params = reference_run(STEPS, 2, world, micro=2, clip=0.5, make_optimizer=OPTIMIZERS[name][1])
+    for losses, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=0)
+        for key, ref in ref_params.items():
+            torch.testing.assert_close(params[key], ref, atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
+    for key in ref_params:  # every rank ends with identical weights
+        assert all(torch.equal(r[1][key], results[0][1][key]) for r in results)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("stage,world", [(0, 2), (1, 2), (2, 2), (3, 2), (2, 4), (3, 4)])
+def test_matches_whole_tensor_optimizer_in_one_process(name, stage, world):
+    _check(run_distributed(train_matrix, world, name, stage), name, world)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("stage,offload", [(1, 1.0), (2, 0.5), (3, 1.0)])
+def test_with_the_optimizer_offloaded(name, stage, offload):
+    """Offloaded buckets step one at a time in host memory (the streamed CPU step), resident ones together on
+    the parameters' side: each call reduces the statistics of its own buckets."""
+    _check(run_distributed(train_matrix, 2, name, stage, offload), name, 2)
+
+
+def _matrix_config(name, world, stage):
+    cfg = config(world, stage)
+    cfg["optimizer"] = {"type": name, "params": OPTIMIZERS[name][0]}
+    return cfg
+
+
+def save_matrix(rank, world, name, stage, save_dir):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_matrix_config(name, world, stage))
+    train(engine, rank, world, 0, SAVE_AT)
+    engine.save_checkpoint(save_dir, tag="t")
+    losses = train(engine, rank, world, SAVE_AT, MORE)
+    return losses, full_state(engine)
+
+
+def resume_matrix(rank, world, name, stage, save_dir):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_matrix_config(name, world, stage))
+    engine.load_checkpoint(save_dir, tag="t")
+    state = engine.optimizer.optimizer.state
+    assert state and all(float(s["step"]) == SAVE_AT for s in state.values())
+    losses = train(engine, rank, world, SAVE_AT, MORE)
+    return losses, full_state(engine)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("saved,resumed", [((2, 3), (1, 0)), ((1, 0), (2, 2))])
+def test_a_checkpoint_resumes_in_another_world_and_stage(tmp_path, name, saved, resumed):
+    """(world, stage) saved -> (world, stage) resumed: the row/column statistics are whole in the checkpoint and
+    given to every piece of their matrix, whatever the new cut; training goes on as if never stopped."""
+    (w0, s0), (w1, s1) = saved, resumed
+    uninterrupted = run_distributed(save_matrix, w0, name, s0, str(tmp_path))
+    resumed_runs = run_distributed(resume_matrix, w1, name, s1, str(tmp_path))
+    want_losses, want_params = uninterrupted[0]
+    for losses, params in resumed_runs:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), atol=1e-6, rtol=0)
+        for key, want in want_params.items():
+            torch.testing.assert_close(params[key], want, atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def refused(rank, world, cfg):
+    try:
+        zeroengine.initialize(model=make_model(), config=cfg)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_what_is_not_built_is_refused_by_name(tmp_path):
+    delayed = _config("Adafactor", 2, 1, 2, 2, offload=1.0)
+    delayed["zero_optimization"]["offload_optimizer"]["delayed_update"] = True
+    nvme = _config("SM3", 2, 1, 2, 2)
+    nvme["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    for cfg, key in ((delayed, "delayed_update"), (nvme, "offload_optimizer.device")):
+        messages = run_distributed(refused, 2, cfg)
+        assert all(m is not None and key in m for m in messages), messages
+
+
+
+def state_bytes_after_a_step(rank, world, name, stage):
+    from zeroengine.optim.state_bytes import state_bytes
+
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_config(name, 2, 1, world, stage))
+    engine_losses(engine, global_batches(1, 1, world, 2), rank, world)
+    measured = engine.memory_breakdown()["optimizer_states"]
+    params = OPTIMIZERS[name][0]
+    estimate = zeroengine.estimate_memory(make_model(), world, stage, optimizer=name, optimizer_params=params)
+    if stage == 0:
+        return measured, estimate["optimizer_states"], 0, {}
+    # what this rank holds: a matrix piece keeps its matrix's whole row/column statistics, a vector piece its
+    # elements' (and SM3's momentum is per element of the piece)
+    held, matrices = 0, {}
+    for place in engine.optimizer.optimizer.partition.places.values():
+        piece = place.end - place.start
+        if len(place.shape) > 1:
+            matrices[place.key] = state_bytes(name, place.shape, {**params, "momentum": 0})
+            held += matrices[place.key] + (4 * piece if params.get("momentum") else 0)
+        else:
+            held += state_bytes(name, (piece,), params)
+    return measured, estimate["optimizer_states"], held, matrices
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_memory_breakdown_counts_the_state_the_formulas_predict(name):
+    (m0, e0, _, _), _ = run_distributed(state_bytes_after_a_step, 2, name, 0)
+    assert m0 == e0  # unpartitioned: exactly the formula (docs/concepts.md)
+    results = run_distributed(state_bytes_after_a_step, 2, name, 2)
+    for measured, estimate, held, _ in results:
+        assert measured == held  # each rank: its pieces' state, a cut matrix's statistics whole
+        assert estimate == e0 / 2
+    # over the ranks: the whole model's state once, and the statistics of each matrix cut between the two ranks
+    # once more (the estimate's even split leaves that out)
+    shared = set(results[0][3]) & set(results[1][3])
+    assert shared  # (the tiny model's small buckets do cut matrices)
+    assert sum(r[0] for r in results) == e0 + sum(results[0][3][k] for k in shared)
