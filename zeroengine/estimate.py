@@ -36,8 +36,9 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
     ``optimizer`` (a config's ``optimizer.type``, with its ``optimizer_params``) replaces
     ``optimizer_state_bytes_per_param`` by that optimizer's state (zeroengine/optim/state_bytes.py): Adam 8 bytes
     per parameter, SGD 4 with momentum, Adafactor 4 × (rows + cols) per matrix and SM3 4 × the sum of its
-    dimensions (4 per element for vectors; SM3's momentum adds 4 per parameter). Those two need the module (their
-    state depends on shapes). Sharded, the state divides by N; a matrix cut between ranks has its row and column
+    dimensions (4 per element for vectors; SM3's momentum adds 4 per parameter), Muon 4 per parameter of the
+    matrices it steps and Adam's 8 for the rest. Those three need the module (their state depends on shapes and
+    names). Sharded, the state divides by N; a matrix cut between ranks has its row and column
     statistics on each rank holding a piece, a few rows' worth more than 1/N."""
     from zeroengine.optim.state_bytes import needs_shapes, state_bytes
 
@@ -49,8 +50,8 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
         if optimizer is not None:
             from zeroengine.zero.param_guard import full_shape
 
-            state_total = sum(state_bytes(optimizer, tuple(full_shape(p)), optimizer_params)
-                              for p in params if p.requires_grad)
+            state_total = sum(state_bytes(optimizer, tuple(full_shape(p)), optimizer_params, name)
+                              for name, p in model_or_param_count.named_parameters() if p.requires_grad)
     else:
         count = model_or_param_count
         if isinstance(count, bool) or not isinstance(count, (int, float)) or not count >= 0 \

@@ -15,6 +15,7 @@ from zeroengine.data import build_dataloader
 from zeroengine.engine import Engine
 from zeroengine.monitor import build_recorder
 from zeroengine.optim.factory import build_optimizer
+from zeroengine.optim.muon import tag_muon_parameters
 from zeroengine.optim.schedulers import ScheduleParamError, build_scheduler
 from zeroengine.parallel.mesh import ProcessMesh, build_mesh, mesh_from_mpu
 from zeroengine.pipe.engine import PipelineEngine
@@ -360,6 +361,8 @@ def _resolve_optimizer(cfg, model, optimizer, model_parameters):
         raise ConfigError("optimizer", "no optimizer: add an 'optimizer' section to the config "
                           "or pass optimizer= to initialize()")
     if optimizer is None:
+        if cfg.optimizer.type == "Muon":  # which parameters Muon steps: a property of each (DeepSpeed's tagging)
+            tag_muon_parameters(model)
         torch_optimizer = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params,
                                           offload_optimizer=cfg.zero_optimization.offload_optimizer is not None)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

@@ -5,8 +5,8 @@ optimizer flat pieces of parameters (the tiny model's small buckets cut matrices
 row and column statistics are reduced over the ranks (zeroengine/optim/partitioned.py)."""
 import pytest
 import torch
+from optimizer_references import ReferenceMuon, ReferenceSM3
 from parity import ADAM_EPS, base_config, engine_losses, global_batches, make_model, reference_run
-from sm3_reference import ReferenceSM3
 from test_checkpoint_reshard import MORE, SAVE_AT, config, full_state, train
 
 import zeroengine
@@ -14,6 +14,20 @@ from zeroengine.config import ConfigError
 from zeroengine.testing import run_distributed
 
 STEPS = 5
+MUON = {"muon_lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.01, "eps": ADAM_EPS}
+
+
+def _reference_muon(params):
+    """DeepSpeed's grouping on the reference model: matrices not named embed / lm_head train with Muon."""
+    params = list(params)
+    names = [n for n, _ in make_model().named_parameters()]  # (the same model, the same order)
+    muon = [p for n, p in zip(names, params) if p.dim() >= 2 and "embed" not in n and "lm_head" not in n]
+    adam = [p for p in params if all(p is not q for q in muon)]
+    return ReferenceMuon([
+        {"params": muon, "use_muon": True, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.01, "ns_method": "gram"},
+        {"params": adam, "use_muon": False, "lr": 3e-3, "betas": (0.9, 0.95), "eps": ADAM_EPS, "weight_decay": 0.01}])
+
+
 OPTIMIZERS = {
     "Adafactor": ({"lr": 2e-2, "weight_decay": 0.01},
                   lambda params: torch.optim.Adafactor(params, lr=2e-2, weight_decay=0.01)),
@@ -21,6 +35,7 @@ OPTIMIZERS = {
     # (softmax ignores a shift of every key), which g / sqrt(nu) would blow up to lr-sized steps of random sign
     "SM3": ({"lr": 3e-2, "momentum": 0.5, "eps": ADAM_EPS},
             lambda params: ReferenceSM3(params, lr=3e-2, momentum=0.5, eps=ADAM_EPS)),
+    "Muon": (MUON, _reference_muon),
 }
 
 
@@ -35,9 +50,11 @@ def _config(name, micro, gas, world, stage, offload=None):
 def train_matrix(rank, world, name, stage, offload=None):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_config(name, 2, 2, world, stage, offload))
     assert type(engine.optimizer.optimizer).__name__ == name
+    engine.optimizer.optimizer.ns_dtype = torch.float32  # (Muon: the reference's; a no-op for the others)
     if stage > 0:  # the pieces really are cut mid-matrix somewhere (else the test would prove little)
-        places = engine.optimizer.optimizer.partition.places.values()
-        assert any(len(p.shape) > 1 and not p.whole for p in places)
+        partition = engine.optimizer.optimizer.partition
+        assert any(len(p.shape) > 1 and not p.whole and (name != "Muon" or p.key in partition.muon_keys)
+                   for p in partition.places.values())
     losses = engine_losses(engine, global_batches(STEPS, 2, world, 2), rank, world)
     return losses, full_state(engine)
 
@@ -84,7 +101,8 @@ def resume_matrix(rank, world, name, stage, save_dir):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_matrix_config(name, world, stage))
     engine.load_checkpoint(save_dir, tag="t")
     state = engine.optimizer.optimizer.state
-    assert state and all(float(s["step"]) == SAVE_AT for s in state.values())
+    assert state and all(float(s["step"]) == SAVE_AT for s in state.values() if "step" in s)
+    assert all(s for s in state.values())
     losses = train(engine, rank, world, SAVE_AT, MORE)
     return losses, full_state(engine)
 
@@ -131,7 +149,7 @@ def state_bytes_after_a_step(rank, world, name, stage):
     measured = engine.memory_breakdown()["optimizer_states"]
     params = OPTIMIZERS[name][0]
     estimate = zeroengine.estimate_memory(make_model(), world, stage, optimizer=name, optimizer_params=params)
-    if stage == 0:
+    if stage == 0 or name == "Muon":  # (Muon's state is all per element: partitioned like Adam's)
         return measured, estimate["optimizer_states"], 0, {}
     # what this rank holds: a matrix piece keeps its matrix's whole row/column statistics, a vector piece its
     # elements' (and SM3's momentum is per element of the piece)
@@ -146,7 +164,17 @@ def state_bytes_after_a_step(rank, world, name, stage):
     return measured, estimate["optimizer_states"], held, matrices
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_muon_state_is_4_bytes_per_muon_parameter_and_partitions_evenly():
+    (m0, e0, _, _), _ = run_distributed(state_bytes_after_a_step, 2, "Muon", 0)
+    assert m0 == e0
+    model = make_model()
+    muon = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n)
+    assert e0 == 4 * muon + 8 * (sum(p.numel() for p in model.parameters()) - muon)
+    results = run_distributed(state_bytes_after_a_step, 2, "Muon", 2)
+    assert sum(r[0] for r in results) == e0 and all(r[1] == e0 / 2 for r in results)
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "SM3"])
 def test_memory_breakdown_counts_the_state_the_formulas_predict(name):
     (m0, e0, _, _), _ = run_distributed(state_bytes_after_a_step, 2, name, 0)
     assert m0 == e0  # unpartitioned: exactly the formula (docs/concepts.md)

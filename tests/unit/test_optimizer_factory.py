@@ -107,7 +107,7 @@ def test_deepspeed_flags_with_default_values_are_accepted():
 
 
 def test_names_listed():
-    assert OPTIMIZER_NAMES == ("Adam", "AdamW", "SGD", "CPUAdam", "Adafactor", "SM3")
+    assert OPTIMIZER_NAMES == ("Adam", "AdamW", "SGD", "CPUAdam", "Adafactor", "SM3", "Muon")
 
 
 def test_matrix_optimizers_take_their_own_parameters_and_defaults():

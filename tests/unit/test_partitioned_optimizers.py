@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from sm3_reference import ReferenceSM3
+from optimizer_references import ReferenceSM3
 
 from zeroengine.optim.adafactor import Adafactor
 from zeroengine.optim.partitioned import Partition, PieceOf, blocks, stepping

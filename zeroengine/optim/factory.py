@@ -40,7 +40,7 @@ class OptimizerParamsError(ConfigError, ValueError):
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_NAMES = ("Adam", "AdamW", "SGD", "CPUAdam", "Adafactor", "SM3")
+OPTIMIZER_NAMES = ("Adam", "AdamW", "SGD", "CPUAdam", "Adafactor", "SM3", "Muon")
 DEFAULT_LR = 1e-3
 
 # FusedAdam / DeepSpeedCPUAdam options with no torch counterpart. Their only
@@ -140,9 +140,25 @@ def _build_sm3(name: str, kwargs: dict, groups: list, offload_optimizer: bool) -
     return _construct(SM3, groups, kwargs, name)
 
 
+def _build_muon(name: str, kwargs: dict, groups: list, offload_optimizer: bool) -> torch.optim.Optimizer:
+    """DeepSpeed's Muon with its auxiliary Adam (zeroengine/optim/muon.py); the parameters carry ``use_muon``."""
+    from .muon import ADAM_KEYS, MUON_KEYS, Muon, muon_param_groups
+
+    adam_w_mode = _pop_bool(kwargs, "adam_w_mode", True)
+    if kwargs.pop("per_head_muon", False):
+        raise OptimizerParamsError("optimizer.params.per_head_muon", "per-head Newton-Schulz for attention "
+                                   "projections is not built yet: leave per_head_muon false")
+    known = {*MUON_KEYS, *ADAM_KEYS, "muon_lr", "adam_lr"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise OptimizerParamsError(f"optimizer.params.{unknown[0]}", f"not a parameter of Muon: unknown {unknown}; "
+                                   f"accepted: {', '.join(sorted(known | {'adam_w_mode', 'per_head_muon'}))}")
+    return Muon(muon_param_groups(groups, kwargs), adam_w_mode=adam_w_mode)
+
+
 _BUILDERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
     "Adam": _build_adam, "AdamW": _build_adam, "SGD": _build_sgd, "CPUAdam": _build_cpu_adam,
-    "Adafactor": _build_adafactor, "SM3": _build_sm3,
+    "Adafactor": _build_adafactor, "SM3": _build_sm3, "Muon": _build_muon,
 }
 
 

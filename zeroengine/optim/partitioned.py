@@ -55,6 +55,7 @@ class Partition:
     bucket_params: list[list[tuple[int, tuple[int, ...]]]]
     reduce: Callable[[torch.Tensor, dist.ReduceOp], None]
     stepping: list[int] | None = None  # the buckets the current step() covers (None: all)
+    muon_keys: frozenset = frozenset()  # parameters in Muon's groups (zeroengine/optim/muon.py)
 
     def catalog(self) -> list[tuple[int, tuple[int, ...]]]:
         buckets = range(len(self.bucket_params)) if self.stepping is None else self.stepping

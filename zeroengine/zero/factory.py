@@ -363,7 +363,8 @@ def _assemble(module, optimizer, policy, loss_scaler, clip, zero_config, buffer,
     sharded = cls(module, optimizer, policy, loss_scaler, clip, buffer, fp32_values, grad_store,
                   buffer.rank, group=buffer.group, after_backward=after_backward,
                   offload=zero_config.offload_optimizer, **stage_parts)
-    sharded.adopt_param_groups([group_of[id(p)] for p in params])
-    attach_partition(sharded, params)
+    group_of_slot = [group_of[id(p)] for p in params]
+    sharded.adopt_param_groups(group_of_slot)
+    attach_partition(sharded, params, group_of_slot)
     record_buffer(buffer, sharded)
     return sharded

@@ -11,8 +11,9 @@ from zeroengine.optim.partitioned import Partition, PartitionAware, PieceOf
 from .param_guard import full_shape
 
 
-def attach_partition(sharded, params: list[torch.nn.Parameter]) -> None:
-    """Give ``sharded.optimizer`` (when partition-aware) its pieces' places; ``params`` in slot order."""
+def attach_partition(sharded, params: list[torch.nn.Parameter], group_of_slot: list[int]) -> None:
+    """Give ``sharded.optimizer`` (when partition-aware) its pieces' places; ``params`` in slot order, and the
+    index of each one's param group."""
     optimizer = sharded.optimizer
     if not isinstance(optimizer, PartitionAware):
         return
@@ -23,7 +24,8 @@ def attach_partition(sharded, params: list[torch.nn.Parameter]) -> None:
         for where, piece in zip(bucket.pieces_in_chunk(sharded.rank), pieces):
             places[id(piece)] = PieceOf(where.slot.index, shapes[where.slot.index], where.param_start,
                                         where.param_end, bucket.index)
-    optimizer.attach_partition(Partition(places, bucket_params, _reduce_over(sharded.group)))
+    muon = frozenset(slot for slot, g in enumerate(group_of_slot) if optimizer.param_groups[g].get("use_muon"))
+    optimizer.attach_partition(Partition(places, bucket_params, _reduce_over(sharded.group), muon_keys=muon))
 
 
 def _reduce_over(group):

@@ -155,16 +155,43 @@ class SM3Params(ConfigModel):
     eps: NonNegativeFloat = Field(0.0, description="Added to sqrt(nu) in the denominator (0: the paper's 0/0 = 0).")
 
 
+class MuonParams(ConfigModel):
+    """``Muon``: DeepSpeed 0.19.8's MuonWithAuxAdam. Matrices whose names hold neither "embed" nor "lm_head" train
+    with Muon (momentum orthogonalised by Newton-Schulz), the rest with Adam; exact at every ZeRO stage and with
+    optimizer offload (zeroengine/optim/muon.py)."""
+
+    lr: Optional[NonNegativeFloat] = Field(None, description="Learning rate of both halves (null: Muon 0.02, Adam "
+                                                            "3e-4); muon_lr / adam_lr override it per half.")
+    muon_lr: Optional[NonNegativeFloat] = Field(None, description="The Muon half's learning rate.")
+    adam_lr: Optional[NonNegativeFloat] = Field(None, description="The Adam half's learning rate.")
+    momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum (Nesterov).")
+    weight_decay: NonNegativeFloat = _WEIGHT_DECAY
+    ns_method: str = Field("gram", description="Newton-Schulz on the Gram matrix (\"gram\", fp16) or on the "
+                                              "matrix (\"standard\", bf16); fp32 where the device cannot.")
+    betas: Betas = Field((0.9, 0.95), description="The Adam half's betas.")
+    eps: float = Field(1e-10, description="The Adam half's eps.")
+    adam_w_mode: bool = Field(True, description="Decoupled weight decay in the Adam half.")
+    per_head_muon: bool = Field(False, description="DeepSpeed's per-attention-head Newton-Schulz: not built yet "
+                                                   "(true is refused).")
+
+    @field_validator("ns_method")
+    @classmethod
+    def _ns_method(cls, value: str) -> str:
+        if value not in ("gram", "standard"):
+            raise ValueError(f"ns_method must be 'gram' or 'standard', got {value!r}")
+        return value
+
+
 OPTIMIZER_PARAMS: Dict[str, Type[ConfigModel]] = {
     "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams, "CPUAdam": CPUAdamParams,
-    "Adafactor": AdafactorParams, "SM3": SM3Params,
+    "Adafactor": AdafactorParams, "SM3": SM3Params, "Muon": MuonParams,
 }
 
 
 class OptimizerConfig(ConfigModel):
     """The optimizer zeroengine builds (leave the section out to pass your own to initialize())."""
 
-    type: str = Field(description="One of Adam, AdamW, SGD, CPUAdam, Adafactor, SM3 (any capitalisation).")
+    type: str = Field(description="One of Adam, AdamW, SGD, CPUAdam, Adafactor, SM3, Muon (any capitalisation).")
     params: Dict[str, Any] = Field(default_factory=dict,
                                    description="Arguments of the optimizer; the keys depend on type (see below).")
 

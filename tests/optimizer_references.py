@@ -1,6 +1,9 @@
-"""SM3-II as the paper writes it, on whole tensors, in plain PyTorch: the reference zeroengine's SM3 (which steps
-ZeRO's flat pieces, zeroengine/optim/sm3.py) is tested against."""
+"""Whole-tensor references for the optimizers zeroengine steps on ZeRO's flat pieces: SM3-II as the paper writes it,
+and DeepSpeed's MuonWithAuxAdam as a single device runs it (its Newton-Schulz functions are checked against
+DeepSpeed 0.19.8's own in tests/migration/test_muon_math.py)."""
 import torch
+
+from zeroengine.optim.muon import orthogonalize
 
 
 class ReferenceSM3(torch.optim.Optimizer):
@@ -33,4 +36,33 @@ class ReferenceSM3(torch.optim.Optimizer):
                 if group["momentum"] > 0:
                     m = state.setdefault("m", torch.zeros_like(p))
                     update = m.mul_(group["momentum"]).add_(update, alpha=1 - group["momentum"])
+                p.add_(update, alpha=-group["lr"])
+
+
+class ReferenceMuon(torch.optim.Optimizer):
+    """DeepSpeed's SingleDeviceMuonWithAuxAdam on whole tensors (groups carry use_muon), Adam decoupled, fp32
+    Newton-Schulz."""
+
+    def __init__(self, param_groups):
+        super().__init__(param_groups, {})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state, g = self.state[p], p.grad
+                if group["use_muon"]:
+                    buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
+                    buf.lerp_(g, 1 - group["momentum"])
+                    update = orthogonalize(g.clone().lerp_(buf, group["momentum"]), group["ns_method"],
+                                           dtype=torch.float32)
+                else:
+                    m = state.setdefault("exp_avg", torch.zeros_like(p))
+                    v = state.setdefault("exp_avg_sq", torch.zeros_like(p))
+                    state["step"] = state.get("step", 0) + 1
+                    b1, b2 = group["betas"]
+                    m.lerp_(g, 1 - b1)
+                    v.lerp_(g.square(), 1 - b2)
+                    update = (m / (1 - b1 ** state["step"])) / ((v / (1 - b2 ** state["step"])).sqrt() + group["eps"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-group["lr"])
