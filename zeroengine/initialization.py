@@ -138,7 +138,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if cfg.comm_debug or comm.sequence_check_requested():
         comm.enable_sequence_check()
 
-    policy = PrecisionPolicy(cfg.precision_dtype, auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
+    policy = PrecisionPolicy(cfg.precision_dtype, auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast,
+                             master_dtype=torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32)
     device = comm.device_for_backend()
     model.to(device)
     tensor_parallel = _split_tensors(cfg, model, mesh)
@@ -363,8 +364,16 @@ def _resolve_optimizer(cfg, model, optimizer, model_parameters):
     if optimizer is None:
         if cfg.optimizer.type == "Muon":  # which parameters Muon steps: a property of each (DeepSpeed's tagging)
             tag_muon_parameters(model)
+        lean = None  # bf16 masters: Adam's moments in bf16 (bf16_optimizer_states) or fp32
+        if cfg.bf16.bf16_master_weights_and_grads:
+            lean = torch.bfloat16 if cfg.bf16.bf16_optimizer_states else torch.float32
         torch_optimizer = build_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params), params,
-                                          offload_optimizer=cfg.zero_optimization.offload_optimizer is not None)
+                                          offload_optimizer=cfg.zero_optimization.offload_optimizer is not None,
+                                          bf16_masters_state_dtype=lean)
+    elif cfg.bf16.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_master_weights_and_grads", "bf16 masters need the optimizer built from the "
+                          "config's 'optimizer' section (Adam or AdamW): a torch optimizer passed in would keep "
+                          "its moments in bf16 and compute in bf16")
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         torch_optimizer = optimizer(params)
     else:

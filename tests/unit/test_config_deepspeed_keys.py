@@ -30,8 +30,6 @@ _MOE_BLOCKS = ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlo
 
 # (section, key, DeepSpeed's default, a value zeroengine must refuse, what the refusal must say)
 KEYS = [
-    ("bf16", "bf16_master_weights_and_grads", False, True, "keeps them in fp32"),
-    ("bf16", "bf16_optimizer_states", False, True, "keeps them in fp32"),
     ("bf16", "immediate_grad_update", False, "yes", "true or false"),
     ("zero_optimization", "stage3_model_persistence_threshold", sys.maxsize, 100_000,
      "lower stage3_param_persistence_threshold"),
@@ -325,3 +323,19 @@ def test_the_compile_section_takes_deepspeeds_keys_and_refuses_deepcompile():
     with pytest.raises(ConfigError) as info:
         load_config(config_with("", "compile", {"enabeld": True}))  # a misspelt switch is not silently "off"
     assert info.value.key_path == "compile.enabeld"
+
+
+def test_bf16_masters_and_states_load_where_built_and_name_their_key_elsewhere():
+    base = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                                          "bf16_optimizer_states": True},
+            "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {}}}
+    cfg = load_config(base)
+    assert cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
+    for change, words in ((lambda c: c["bf16"].update(bf16_master_weights_and_grads=False), "needs bf16_master"),
+                          (lambda c: c["zero_optimization"].update(stage=0), "stage 1, 2 or 3"),
+                          (lambda c: c["bf16"].update(enabled=False), "bf16.enabled")):
+        bad = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+        change(bad)
+        with pytest.raises(ConfigError) as info:
+            load_config(bad)
+        assert info.value.key_path.startswith("bf16.bf16_") and words in str(info.value)

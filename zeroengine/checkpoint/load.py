@@ -128,7 +128,7 @@ def _describe(identity) -> str:
 
 # Optimizers whose per-parameter state is the same (step, exp_avg, exp_avg_sq): offload swaps torch's
 # Adam/AdamW for CPUAdam, a GPU run may use FusedAdam, and a checkpoint moves between them.
-_STATE_FAMILY = {name: "Adam" for name in ("Adam", "AdamW", "CPUAdam", "FusedAdam")}
+_STATE_FAMILY = {name: "Adam" for name in ("Adam", "AdamW", "CPUAdam", "FusedAdam", "LeanAdam")}
 
 
 class _Plan:
@@ -412,7 +412,9 @@ class _Plan:
         target = piece.opt_param
         group = next(g for g in self.engine.optimizer.param_groups if any(p is target for p in g["params"]))
         on_device = group.get("fused") or group.get("capturable")
-        out = {key: m.to(device=target.device).view(target.shape) for key, m in moments.items()}
+        # per-element state in the dtype this run keeps it in (bf16 moments and fp32 ones load into each other)
+        dtype = getattr(getattr(self.engine.optimizer, "optimizer", None), "state_dtype", None) or target.dtype
+        out = {key: m.to(device=target.device, dtype=dtype).view(target.shape) for key, m in moments.items()}
         for key, v in scalars.pop(WHOLE_PARAMETER, {}).items():  # whole-parameter statistics: as saved
             out[key] = v.clone().to(target.device)
         for key, v in scalars.items():

@@ -141,6 +141,24 @@ class ZeroEngineConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _bf16_masters_where_built(self) -> "ZeroEngineConfig":
+        if not self.bf16.bf16_master_weights_and_grads:
+            return self
+        why = None
+        if not self.bf16.enabled:
+            why = "needs bf16.enabled (the parameters it keeps as masters are bf16)"
+        elif int(self.zero_optimization.stage) == 0:
+            why = "needs ZeRO stage 1, 2 or 3 (as in DeepSpeed)"
+        elif self.zero_optimization.offload_optimizer is not None:
+            why = ("is not built with offload_optimizer yet: the CPU Adam steps fp32 masters; turn one of the two "
+                   "off")
+        elif self.optimizer is not None and self.optimizer.type not in ("Adam", "AdamW"):
+            why = f"is built for Adam and AdamW, not {self.optimizer.type}"
+        if why:
+            raise rule_error(f"bf16_master_weights_and_grads {why}", ("bf16", "bf16_master_weights_and_grads"))
+        return self
+
+    @model_validator(mode="after")
     def _offload_reads_aio(self) -> "ZeroEngineConfig":
         # The NVMe swap is built from the offload block alone; it carries the run's aio settings with it.
         for block in (self.zero_optimization.offload_optimizer, self.zero_optimization.offload_param):

@@ -273,10 +273,6 @@ UNSUPPORTED: Dict[str, Tuple[Unsupported, ...]] = {
     "bf16": (
         Unsupported("immediate_grad_update", ANY_BOOL, "accumulating each micro-batch's bf16 gradients "
                     "into fp32 in the backward hooks rather than after backward (same sums either way)"),
-        Unsupported("bf16_master_weights_and_grads", off_value(False),
-                    "bf16 master weights and gradients; zeroengine keeps them in fp32"),
-        Unsupported("bf16_optimizer_states", off_value(False),
-                    "bf16 optimizer states; zeroengine keeps them in fp32"),
     ),
     "checkpoint": (
         Unsupported("parallel_write", EMPTY, "pipeline-stage parallel checkpoint writes"),

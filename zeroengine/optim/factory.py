@@ -49,12 +49,14 @@ _DEEPSPEED_ONLY_FLAGS = {"bias_correction": True, "set_grad_none": True, "fp32_o
 
 
 def build_optimizer(type_name: str, params: Dict[str, Any] | None, parameters,
-                    *, offload_optimizer: bool = False) -> torch.optim.Optimizer:
+                    *, offload_optimizer: bool = False,
+                    bf16_masters_state_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
     """``optimizer {type, params}`` -> a torch optimizer over ``parameters``.
 
     ``type_name`` is matched case-insensitively (DeepSpeed lower-cases its own
     optimizer names). ``parameters`` is an iterable of tensors or of
-    param-group dicts.
+    param-group dicts. ``bf16_masters_state_dtype`` (``bf16.bf16_master_weights_and_grads``): Adam/AdamW step
+    bf16 parameters themselves, moments in that dtype (zeroengine/optim/lean_adam.py).
     """
     name = _canonical_name(type_name)
     kwargs = dict(params or {})
@@ -63,7 +65,27 @@ def build_optimizer(type_name: str, params: Dict[str, Any] | None, parameters,
                          "'gradient_clipping' setting instead (as in DeepSpeed)")
     groups = _normalize_parameters(parameters)
     _betas_to_tuple(kwargs, "optimizer.params")
+    if bf16_masters_state_dtype is not None:
+        return _build_lean_adam(name, kwargs, groups, bf16_masters_state_dtype)
     return _BUILDERS[name](name, kwargs, groups, offload_optimizer)
+
+
+def _build_lean_adam(name: str, kwargs: dict, groups: list, state_dtype: torch.dtype) -> torch.optim.Optimizer:
+    from .lean_adam import LeanAdam
+
+    if name not in ("Adam", "AdamW"):
+        raise OptimizerParamsError("bf16.bf16_master_weights_and_grads", f"bf16 masters are built for Adam and "
+                                   f"AdamW, not {name}")
+    _pop_bool(kwargs, "torch_adam", False)
+    adam_w_mode = _pop_bool(kwargs, "adam_w_mode", True)
+    if kwargs.pop("amsgrad", False):
+        raise OptimizerParamsError("optimizer.params.amsgrad", "amsgrad is not built with bf16 masters")
+    kwargs.pop("fused", None)
+    kwargs.pop("foreach", None)
+    _drop_deepspeed_flags(kwargs)
+    kwargs.setdefault("weight_decay", 0.0)
+    return _construct(LeanAdam, groups, {**kwargs, "adamw_mode": name == "AdamW" or adam_w_mode,
+                                         "state_dtype": state_dtype}, name)
 
 
 # --------------------------------------------------------------------------- per type
@@ -227,8 +249,8 @@ def _construct(cls, groups: list, kwargs: dict, type_name: str, why: str = "") -
     kwargs.setdefault("lr", DEFAULT_LR)
     # decoupled_weight_decay (torch.optim.Adam) is spelled adam_w_mode in DeepSpeed configs.
     accepted = [n for n in inspect.signature(cls.__init__).parameters
-                if n not in ("self", "params", "decoupled_weight_decay", "adamw_mode")]
-    unknown = sorted(set(kwargs) - set(accepted) - {"adamw_mode"})
+                if n not in ("self", "params", "decoupled_weight_decay", "adamw_mode", "state_dtype")]
+    unknown = sorted(set(kwargs) - set(accepted) - {"adamw_mode", "state_dtype"})
     if unknown:
         raise OptimizerParamsError(f"optimizer.params.{unknown[0]}", f"not a parameter of {type_name}{why}: "
                                    f"unknown {unknown}; accepted: {', '.join(accepted)}")

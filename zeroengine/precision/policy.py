@@ -22,10 +22,17 @@ class PrecisionPolicy:
     # fp16.auto_cast: cast floating-point inputs of forward to fp16 (as DeepSpeed: off by default, never
     # under bf16), through lists, tuples and dicts. Off, inputs reach the model as given.
     auto_cast: bool = False
+    # bf16.bf16_master_weights_and_grads: the optimizer steps the bf16 parameters themselves (no fp32 copy)
+    master_dtype: torch.dtype = torch.float32
 
     @property
     def mixed(self) -> bool:
         return self.param_dtype != torch.float32
+
+    @property
+    def separate_masters(self) -> bool:
+        """Whether the optimizer steps an fp32 copy of 16-bit parameters (else the parameters themselves)."""
+        return self.mixed and self.master_dtype == torch.float32
 
     @property
     def name(self) -> str:

@@ -112,7 +112,7 @@ def _build(stage, module, optimizer, policy, loss_scaler, zero_config, gradient_
 
 # Optimizers whose update of an element depends only on that element's own
 # gradient and state: stepping a flat shard gives exactly the unsharded result.
-_ELEMENTWISE = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Rprop", "CPUAdam",
+_ELEMENTWISE = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Rprop", "CPUAdam", "LeanAdam",
                 "FusedAdam")
 
 
@@ -193,7 +193,7 @@ def _sharded_parts(stage, module, optimizer, policy, loss_scaler, zero_config, c
         host_memory.map_large_allocations()
     # Detached fp32 values of every domain before any cast: they keep the old storage alive until the masters
     # are cut from them (the masters start from exact weights).
-    fp32_values = [[p.detach() for p in d.params] if policy.mixed else None for d in domains]
+    fp32_values = [[p.detach() for p in d.params] if policy.separate_masters else None for d in domains]
     flats = [FlatParamBuffer(d.params, build_layout([p.numel() for p in d.params], d.world,
                                                     int(zero_config.reduce_bucket_size)),
                              policy.param_dtype, d.rank, group=d.group) for d in domains]
@@ -228,7 +228,7 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
         host_memory.map_large_allocations()
     # Parameters built under zero.Init arrive as per-parameter slices: re-cut into the bucket layout (one
     # domain then: an MoE model built under Init is refused by build_zero_optimizer).
-    reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.mixed)
+    reshard = InitReshard(trainable.params + frozen.params, rank, keep_fp32=policy.separate_masters)
     stats = FetchStats()  # shared by all the buffers
     offload = zero_config.offload_param  # device "nvme": max_in_cpu is shared by the buffers, in build order
     in_cpu = InCpuBudget(int(offload.max_in_cpu)) if offload is not None and offload.device == "nvme" else None
@@ -246,9 +246,9 @@ def _build_stage3(module, optimizer, policy, loss_scaler, zero_config, clip, com
     if len(parts) == 1:
         sources = [reshard]
     else:  # each domain's chunks cut at its own rank in its group
-        sources = [InitReshard(part.params, d.rank, keep_fp32=policy.mixed) for d, part in parts]
+        sources = [InitReshard(part.params, d.rank, keep_fp32=policy.separate_masters) for d, part in parts]
     buffers = [buffer_of(part, 0, d, source) for (d, part), source in zip(parts, sources)]
-    fp32_values = [source.fp32_values()[:len(part.params)] if policy.mixed else None
+    fp32_values = [source.fp32_values()[:len(part.params)] if policy.separate_masters else None
                    for (_, part), source in zip(parts, sources)]
     frozen_buffer = buffer_of(frozen, len(trainable.params), everyone, reshard) if frozen.params else None
     if world > 1 and gather_order.enabled():

@@ -104,7 +104,7 @@ class ShardedOptimizer(ZeroOptimizer):
         """This rank's chunk of ``bucket`` as the optimizer steps it, where it steps: a new fp32 master (16-bit
         training, or an offloaded bucket) or a view of the parameters. One bucket at a time, so no more than
         a bucket's masters ever exist twice or on the wrong side."""
-        if self.policy.mixed:
+        if self.policy.separate_masters:
             chunk = gather_chunk(fp32_values, bucket, self.rank, torch.float32)
         else:  # (a copy where the parameters' chunk is on NVMe: the step's result is written back to it)
             chunk = self.flat_params.read_chunk(bucket)
@@ -221,7 +221,8 @@ class ShardedOptimizer(ZeroOptimizer):
                 continue
             if chunk_grad is None:  # never happens after a backward; zeros keep a bare step() well-defined
                 chunk_grad = torch.zeros(bucket.chunk_numel, device=self.chunks[bucket.index].device)
-            g = chunk_grad.to(device=self.chunks[bucket.index].device, dtype=torch.float32)
+            # (fp32: the masters' dtype; bf16_master_weights_and_grads steps bf16 parameters with bf16 gradients)
+            g = chunk_grad.to(device=self.chunks[bucket.index].device, dtype=self.chunks[bucket.index].dtype)
             if inv_scale != 1.0:
                 g = g * inv_scale
             for where, piece in zip(bucket.pieces_in_chunk(self.rank), pieces):

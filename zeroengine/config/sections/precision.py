@@ -51,3 +51,17 @@ class BF16Config(ConfigModel):
     check_grad_overflow: bool = Field(
         True, description="Skip (on every rank) an optimizer step whose gradients are not finite, instead of "
                           "writing inf/nan into the weights; DeepSpeed's default.")
+    bf16_master_weights_and_grads: bool = Field(
+        False, description="ZeRO stages 1-3: no fp32 master copy; the optimizer steps the bf16 parameters with bf16 "
+                           "gradients (its arithmetic in fp32, each result rounded to bf16). Saves 4 bytes per "
+                           "parameter; with Adam/AdamW only, without optimizer offload.")
+    bf16_optimizer_states: bool = Field(
+        False, description="Adam's moments in bf16 (4 bytes per parameter instead of 8); needs "
+                           "bf16_master_weights_and_grads, as in DeepSpeed.")
+
+    @model_validator(mode="after")
+    def _states_need_masters(self) -> "BF16Config":
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise rule_error("bf16_optimizer_states needs bf16_master_weights_and_grads (as in DeepSpeed)",
+                             ("bf16_optimizer_states",))
+        return self

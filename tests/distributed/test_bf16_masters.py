@@ -1,0 +1,136 @@
+"""``bf16.bf16_master_weights_and_grads`` (the optimizer steps the bf16 parameters, no fp32 copy) and
+``bf16_optimizer_states`` (Adam's moments in bf16) at ZeRO stages 1-3 on 2 gloo ranks: the optimizer computes in
+fp32 and rounds each result to its storage (zeroengine/optim/lean_adam.py); the runs track the fp32 reference as
+bf16 training does, hold what the memory model says, and checkpoint across precisions."""
+import pytest
+import torch
+from parity import base_config, engine_losses, global_batches, make_model, reference_run
+from test_checkpoint_reshard import MORE, SAVE_AT, config, train
+
+import zeroengine
+from zeroengine.config import ConfigError
+from zeroengine.optim.lean_adam import LeanAdam
+from zeroengine.testing import run_distributed
+
+STEPS = 6
+
+
+def _config(stage, masters=True, states=False, world=2):
+    cfg = base_config(2, 2, world, 0.5, dtype="bf16", stage=stage)
+    cfg["bf16"].update(bf16_master_weights_and_grads=masters, bf16_optimizer_states=states)
+    return cfg
+
+
+def train_bf16(rank, world, stage, masters, states):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_config(stage, masters, states))
+    losses = engine_losses(engine, global_batches(STEPS, 2, world, 2), rank, world)
+    opt = engine.optimizer.optimizer
+    moments = {v.dtype for s in opt.state.values() for k, v in s.items() if k.startswith("exp_avg")}
+    stepped = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    return losses, engine.memory_breakdown(), moments, stepped, type(opt).__name__
+
+
+@pytest.mark.parametrize("stage,states", [(1, False), (3, True)])  # (stage 2: the two tests below)
+def test_tracks_fp32_and_keeps_what_the_memory_model_says(stage, states):
+    ref_losses, _ = reference_run(STEPS, 2, 2, micro=2, clip=0.5)
+    for losses, mem, moments, stepped, name in run_distributed(train_bf16, 2, stage, True, states):
+        assert name == "LeanAdam"
+        for got, want in zip(losses, ref_losses):  # bf16 training's tolerance (test_zero_parity)
+            assert abs(got - want) <= 0.02 * want, (losses, ref_losses)
+        assert mem["master_params"] == 0  # the chunks the optimizer steps are the bf16 parameters
+        assert moments == {torch.bfloat16 if states else torch.float32}
+        assert mem["optimizer_states"] == (4 if states else 8) * stepped
+
+
+def test_fp32_masters_are_what_bf16_masters_save():
+    """The same run with fp32 masters holds 4 bytes per stepped element more (the copy bf16 masters drop)."""
+    (_, lean, _, stepped, _), _ = run_distributed(train_bf16, 2, 2, True, True)
+    (_, full, _, _, _), _ = run_distributed(train_bf16, 2, 2, False, False)
+    assert full["master_params"] == 4 * stepped and lean["master_params"] == 0
+    assert full["optimizer_states"] - lean["optimizer_states"] == 4 * stepped
+
+
+def test_lean_adam_is_torchs_adam_in_fp32_and_rounds_only_its_storage_in_bf16():
+    g = torch.Generator().manual_seed(0)
+    p0, grads = torch.randn(40, 30, generator=g), [torch.randn(40, 30, generator=g) for _ in range(4)]
+    for adamw in (True, False):
+        ours, theirs = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+        a = LeanAdam([ours], lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
+        b = (torch.optim.AdamW if adamw else torch.optim.Adam)([theirs], lr=1e-2, weight_decay=0.1, foreach=False)
+        for grad in grads:
+            ours.grad, theirs.grad = grad.clone(), grad.clone()
+            a.step()
+            b.step()
+        assert torch.equal(ours, theirs)
+    # bf16 storage: one step is torch's fp32 step on the widened values, each result rounded to bf16
+    lean = torch.nn.Parameter(p0.bfloat16())
+    wide = torch.nn.Parameter(p0.bfloat16().float())
+    a = LeanAdam([lean], lr=1e-2, weight_decay=0.1, state_dtype=torch.bfloat16)
+    b = torch.optim.AdamW([wide], lr=1e-2, weight_decay=0.1, foreach=False)
+    lean.grad, wide.grad = grads[0].bfloat16(), grads[0].bfloat16().float()
+    a.step()
+    b.step()
+    assert torch.equal(lean, wide.bfloat16())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert a.state[lean][key].dtype == torch.bfloat16
+        assert torch.equal(a.state[lean][key], b.state[wide][key].bfloat16())
+
+
+def _lean_config(world, stage, states=True):
+    cfg = config(world, stage, dtype="bf16")
+    cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=states)
+    return cfg
+
+
+def save_lean(rank, world, save_dir):
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_lean_config(world, 2))
+    train(engine, rank, world, 0, SAVE_AT)
+    engine.save_checkpoint(save_dir, tag="t")
+    return train(engine, rank, world, SAVE_AT, MORE)
+
+
+def resume(rank, world, save_dir, lean):
+    cfg = _lean_config(world, 3) if lean else config(world, 1, dtype="bf16")
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    engine.load_checkpoint(save_dir, tag="t")
+    dtypes = {v.dtype for s in engine.optimizer.optimizer.state.values() for k, v in s.items() if k == "exp_avg"}
+    return train(engine, rank, world, SAVE_AT, MORE), dtypes
+
+
+def test_checkpoints_move_between_bf16_and_fp32_states(tmp_path):
+    uninterrupted = run_distributed(save_lean, 2, str(tmp_path))[0]
+    lean = run_distributed(resume, 2, str(tmp_path), True)
+    for losses, dtypes in lean:  # the same precision at another stage: exactly where it was
+        assert dtypes == {torch.bfloat16}
+        assert losses == pytest.approx(uninterrupted, abs=1e-6)
+    full = run_distributed(resume, 1, str(tmp_path), False)
+    for losses, dtypes in full:  # into fp32 masters and moments: widened, and it trains on
+        assert dtypes == {torch.float32}
+        assert all(abs(a - b) <= 0.02 * b for a, b in zip(losses, uninterrupted))
+
+
+def refused(rank, world, cfg, client):
+    try:
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters()) if client else None
+        if client:
+            cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+        zeroengine.initialize(model=model, config=cfg, optimizer=opt)
+    except (ConfigError, ValueError) as err:
+        return str(err)
+    return None
+
+
+def test_what_is_not_built_is_refused_by_name():
+    states_alone = _config(2, masters=False, states=True, world=1)
+    stage0 = _config(0, world=1)
+    offload = _config(2, world=1)
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    sgd = _config(2, world=1)
+    sgd["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    cases = [(states_alone, False, "bf16_optimizer_states"), (stage0, False, "stage 1, 2 or 3"),
+             (offload, False, "offload_optimizer"), (sgd, False, "Adam and AdamW"),
+             (_config(2, world=1), True, "bf16_master_weights_and_grads")]
+    for cfg, client, words in cases:
+        message = run_distributed(refused, 1, cfg, client)[0]
+        assert message is not None and words in message, (words, message)
