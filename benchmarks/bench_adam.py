@@ -1,11 +1,21 @@
 """Throughput of one Adam step over a large flat fp32 parameter, side by side.
 
     python benchmarks/bench_adam.py [--params 50000000] [--repeats 7] [--device cpu|cuda]
+                                    [--simd avx2,avx512] [--threads N]
 
 CPU: zeroengine CPUAdam (C++ kernel, and its PyTorch fallback) vs
 torch.optim.AdamW(foreach=True) vs AdamW(fused=True) vs DeepSpeedCPUAdam when
-deepspeed is importable; and offload's real step, CPUAdam writing the bf16 copy
-in the same pass vs torch's fused step followed by a separate bf16 copy. CUDA: zeroengine FusedAdam vs the two torch AdamWs.
+deepspeed is importable (e.g. PYTHONPATH=.deepspeed_anchor DS_ACCELERATOR=cpu;
+its op JIT-builds during the warm-up, outside the timed repeats); and offload's
+real step, CPUAdam writing the bf16 copy in the same pass vs torch's fused step
+followed by a separate bf16 copy. CUDA: zeroengine FusedAdam vs the two torch AdamWs.
+
+``--simd`` times the C++ kernel at each listed SIMD level in the same run (one
+build per level: the level is part of the build hash, so the builds coexist),
+e.g. the AVX2 path on an AVX-512 machine beside the AVX-512 one; levels this
+CPU lacks are listed as skipped. Without it, the level the CPU would pick.
+``--threads`` sets torch's thread count (the kernel follows it) and
+OMP_NUM_THREADS for OpenMP runtimes loaded later (DeepSpeed's op).
 
 One flat parameter is how ZeRO hands an optimizer its partition. Each repeat
 times every candidate once, in turn, so machine noise hits all of them alike;
@@ -20,7 +30,10 @@ Results are printed and written to benchmarks/results/adam[_cuda].json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -31,24 +44,55 @@ import torch
 
 ADAM_BYTES_PER_PARAM = 28
 ADD_BYTES_PER_ELEMENT = 12
-COPY_OUT = "zeroengine CPUAdam + bf16 copy-out (fused)"
+COPY_OUT = "zeroengine CPUAdam + bf16 copy-out"
 TORCH_PLUS_COPY = "torch AdamW fused, then bf16 copy"
+PEERS = ("torch AdamW foreach", "torch AdamW fused", "deepspeed DeepSpeedCPUAdam")  # what the kernel must beat
 
 
-def candidates(param: torch.nn.Parameter, device: str) -> dict[str, Callable[[], None] | str]:
+@contextlib.contextmanager
+def forced_simd(level: str | None):
+    """ZEROENGINE_SIMD=level while a CPUAdam loads its kernel (None: leave the variable as it is)."""
+    from zeroengine.ops.cpu_features import SIMD_ENV
+
+    before = os.environ.get(SIMD_ENV)
+    if level is not None:
+        os.environ[SIMD_ENV] = level
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SIMD_ENV, None)
+        else:
+            os.environ[SIMD_ENV] = before
+
+
+def cpu_has(level: str) -> bool:
+    from zeroengine.ops.cpu_features import SimdLevel, cpu_flags
+
+    needs = {SimdLevel.AVX512: {"avx512f"}, SimdLevel.AVX2: {"avx2", "fma"}, SimdLevel.SCALAR: set()}
+    return needs[SimdLevel(level)] <= cpu_flags()
+
+
+def candidates(param: torch.nn.Parameter, device: str,
+               simd_levels: list[str | None]) -> dict[str, Callable[[], None] | str]:
     """Name -> one step (or, if it cannot run here, the reason why)."""
     from zeroengine.ops.adam import CPUAdam, FusedAdam
 
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     found: dict[str, Callable[[], None] | str] = {}
     if device == "cpu":
-        cpp = CPUAdam([param], **hyper)
-        found[f"zeroengine CPUAdam ({cpp.backend})"] = cpp.step
-        found["zeroengine CPUAdam (torch fallback)"] = CPUAdam([param], **hyper, impl="torch").step
         # Offload's real step: update the fp32 masters and produce the bf16 copy that goes back to the device.
         out16 = torch.empty(param.shape, dtype=torch.bfloat16)
-        copying = CPUAdam([param], **hyper)
-        found[COPY_OUT] = lambda: copying.step_with_copy({param: out16})
+        for level in simd_levels:
+            if level is not None and not cpu_has(level):
+                found[f"zeroengine CPUAdam (cpp-{level})"] = f"skipped: this CPU lacks {level}"
+                continue
+            with forced_simd(level):
+                cpp = CPUAdam([param], **hyper)
+                copying = CPUAdam([param], **hyper)
+            found[f"zeroengine CPUAdam ({cpp.backend})"] = cpp.step
+            found[f"{COPY_OUT} ({copying.backend})"] = functools.partial(copying.step_with_copy, {param: out16})
+        found["zeroengine CPUAdam (torch fallback)"] = CPUAdam([param], **hyper, impl="torch").step
         torch_fused = torch.optim.AdamW([param], **hyper, fused=True)
         found[TORCH_PLUS_COPY] = lambda: (torch_fused.step(), out16.copy_(param))
     else:
@@ -82,12 +126,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--simd", default=None,
+                        help="comma-separated SIMD levels of the C++ kernel to time side by side, "
+                             "e.g. avx2,avx512 (default: the one this CPU picks)")
+    parser.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads")
     args = parser.parse_args()
     device, n = args.device, args.params
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # DeepSpeed's op brings its own OpenMP pool
+    load_before = os.getloadavg()  # other work on the machine skews every candidate, so record it
+    simd_levels: list[str | None] = [None]
+    if args.simd:
+        from zeroengine.ops.cpu_features import SimdLevel
+
+        simd_levels = [SimdLevel(level.strip().lower()).value for level in args.simd.split(",")]
 
     param = torch.nn.Parameter(torch.randn(n, device=device))
     param.grad = torch.randn(n, device=device) * 1e-3
-    steps = candidates(param, device)
+    steps = candidates(param, device, simd_levels)
     runnable = {name: fn for name, fn in steps.items() if callable(fn)}
     a, b = torch.randn(n, device=device), torch.randn(n, device=device)
     runnable["memory: a.add_(b)"] = lambda: a.add_(b)
@@ -114,38 +171,50 @@ def main() -> None:
     fastest_torch = min(r["median_s"] for r in rows
                         if r["name"].startswith("torch AdamW f") and r["name"] != TORCH_PLUS_COPY and "median_s" in r)
     median = {r["name"]: r["median_s"] for r in rows if "median_s" in r}
-    cpp_name = next((n for n in median if n.startswith("zeroengine CPUAdam (cpp")), None)
+    peers = {name: t for name, t in median.items() if name in PEERS}
+    fastest_peer = min(peers, key=peers.get)
     ratios = {}  # > 1: zeroengine's is faster (per-repeat timings interleaved, so noise hits both alike)
-    if cpp_name:
-        ratios["cpuadam_vs_torch_fused"] = median["torch AdamW fused"] / median[cpp_name]
+    for name in median:
+        if not name.startswith("zeroengine CPUAdam (cpp-"):
+            continue
+        level = name.removeprefix("zeroengine CPUAdam (cpp-").rstrip(")")
+        ratios[f"cpuadam_{level}_vs_torch_fused"] = median["torch AdamW fused"] / median[name]
         if "deepspeed DeepSpeedCPUAdam" in median:
-            ratios["cpuadam_vs_deepspeed"] = median["deepspeed DeepSpeedCPUAdam"] / median[cpp_name]
-    if COPY_OUT in median:
-        ratios["copy_out_vs_torch_fused_plus_copy"] = median[TORCH_PLUS_COPY] / median[COPY_OUT]
+            ratios[f"cpuadam_{level}_vs_deepspeed"] = median["deepspeed DeepSpeedCPUAdam"] / median[name]
+        ratios[f"cpuadam_{level}_vs_fastest_peer"] = peers[fastest_peer] / median[name]
+        copy_name = f"{COPY_OUT} (cpp-{level})"
+        if copy_name in median:
+            ratios[f"copy_out_{level}_vs_torch_fused_plus_copy"] = median[TORCH_PLUS_COPY] / median[copy_name]
 
     machine = {"platform": platform.platform(), "processor": platform.processor(),
-               "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device,
+               "load_average": load_before}
     if device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
     where = machine.get("gpu", f"{machine['threads']} threads")
     print(f"Adam step over {n / 1e6:.0f}M fp32 params on {device} ({where}), "
           f"median of {args.repeats}; "
           f"memory bandwidth (a.add_(b)) {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'optimizer':<40} {'ms/step':>9} {'steps/s':>8} {'GB/s':>7} {'of bw':>6} {'vs best torch':>13}")
+    print(f"{'optimizer':<50} {'ms/step':>9} {'Mparam/s':>9} {'GB/s':>7} {'of bw':>6} {'vs best torch':>13}")
     for r in rows:
         if "skipped" in r:
-            print(f"{r['name']:<40} {r['skipped']}")
+            print(f"{r['name']:<50} {r['skipped']}")
             continue
-        print(f"{r['name']:<40} {r['median_s'] * 1e3:9.1f} {r['steps_per_s']:8.2f} "
+        print(f"{r['name']:<50} {r['median_s'] * 1e3:9.1f} {r['params_per_s'] / 1e6:9.0f} "
               f"{r['bytes_per_s'] / 1e9:7.1f} {r['fraction_of_bandwidth']:6.0%} "
               f"{fastest_torch / r['median_s']:12.2f}x")
 
+    print(f"fastest peer: {fastest_peer}; load average before/after: "
+          f"{' '.join(f'{x:.2f}' for x in machine['load_average'])} / "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
     out = args.out or Path(__file__).parent / "results" / (
         "adam.json" if device == "cpu" else "adam_cuda.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    machine["load_average_after"] = os.getloadavg()
     out.write_text(json.dumps({"machine": machine, "params": n, "repeats": args.repeats,
+                               "fastest_peer": fastest_peer,
                                "bytes_per_param": ADAM_BYTES_PER_PARAM,
                                "bandwidth_bytes_per_s": bandwidth, "ratios": ratios, "results": rows}, indent=1))
     print(f"wrote {out}")
