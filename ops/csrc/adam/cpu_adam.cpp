@@ -44,23 +44,35 @@ inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, in
   const R eps = Ops::set1(h.eps), weight_decay = Ops::set1(h.weight_decay);
   const R decay_factor = Ops::set1(h.decay_factor), inv_bc2_sqrt = Ops::set1(h.inv_bc2_sqrt);
   const R neg_step_size = Ops::set1(-h.step_size);
+  // Local restrict copies of the pointers: read through `a`, the compiler must
+  // assume each float store may change them and reloads all of them every
+  // iteration (five extra loads per vector, most costly in the copy-out loop).
+  float* __restrict param = a.param;
+  const GradT* __restrict grad = a.grad;
+  float* __restrict exp_avg = a.exp_avg;
+  float* __restrict exp_avg_sq = a.exp_avg_sq;
+  CopyT* __restrict copy = a.copy;
 
   for (int64_t i = begin; i < end; i += Ops::kWidth) {
-    R p = Ops::load(a.param + i);
-    R g = Ops::load(a.grad + i);
+    R p = Ops::load(param + i);
+    R g = Ops::load(grad + i);
     // Branch-free weight decay: make_adam_hyper zeroes weight_decay in AdamW
     // mode and sets decay_factor to 1 in Adam mode, so exactly one applies.
     g = Ops::fmadd(weight_decay, p, g);  // Adam: L2 term joins the gradient
     p = Ops::mul(p, decay_factor);       // AdamW: decoupled shrink of the param
-    const R m = Ops::fmadd(beta1, Ops::load(a.exp_avg + i), Ops::mul(one_minus_beta1, g));
-    const R v = Ops::fmadd(beta2, Ops::load(a.exp_avg_sq + i),
+    const R m = Ops::fmadd(beta1, Ops::load(exp_avg + i), Ops::mul(one_minus_beta1, g));
+    const R v = Ops::fmadd(beta2, Ops::load(exp_avg_sq + i),
                            Ops::mul(one_minus_beta2, Ops::mul(g, g)));
+    // A true sqrt and division, not rsqrt/rcp estimates refined by Newton
+    // steps, so every element rounds as the formula does. The pair bounds the
+    // loop in cache (about 1.4 cycles per element on recent Intel cores at
+    // either vector width), but at the sizes that matter the step is memory bound.
     const R denom = Ops::fmadd(Ops::sqrt(v), inv_bc2_sqrt, eps);
     p = Ops::fmadd(neg_step_size, Ops::div(m, denom), p);
-    Ops::store(a.exp_avg + i, m);
-    Ops::store(a.exp_avg_sq + i, v);
-    Ops::store(a.param + i, p);
-    if constexpr (!std::is_same_v<CopyT, NoCopy>) Ops::store(a.copy + i, p);
+    Ops::store(exp_avg + i, m);
+    Ops::store(exp_avg_sq + i, v);
+    Ops::store(param + i, p);
+    if constexpr (!std::is_same_v<CopyT, NoCopy>) Ops::store(copy + i, p);
   }
 }
 
