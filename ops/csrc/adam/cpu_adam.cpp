@@ -34,6 +34,17 @@ struct AdamArrays {
   CopyT* copy;  // nullptr unless CopyT is a 16-bit type
 };
 
+// How far ahead of the element being updated each input array is prefetched:
+// enough to cover the memory latency at one core's share of the bandwidth,
+// close enough that the lines are still in L1 when used.
+constexpr uintptr_t kPrefetchBytes = 1024;
+
+// The address kPrefetchBytes past p, computed on integers: it may lie past the
+// end of the array (a prefetch never faults), where pointer arithmetic may not.
+inline const void* ahead(const void* p) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes);
+}
+
 // Updates elements [begin, end); Ops::kWidth must divide end - begin.
 template <typename Ops, typename GradT, typename CopyT>
 inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, int64_t begin,
@@ -53,7 +64,8 @@ inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, in
   float* __restrict exp_avg_sq = a.exp_avg_sq;
   CopyT* __restrict copy = a.copy;
 
-  for (int64_t i = begin; i < end; i += Ops::kWidth) {
+  // One vector's worth of elements, starting at i.
+  auto update = [&](int64_t i) {
     R p = Ops::load(param + i);
     R g = Ops::load(grad + i);
     // Branch-free weight decay: make_adam_hyper zeroes weight_decay in AdamW
@@ -73,7 +85,25 @@ inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, in
     Ops::store(exp_avg_sq + i, v);
     Ops::store(param + i, p);
     if constexpr (!std::is_same_v<CopyT, NoCopy>) Ops::store(copy + i, p);
+  };
+
+  // The loop walks the arrays a 64-byte line of floats at a time (two AVX2
+  // vectors, one AVX-512 vector) and prefetches each input stream
+  // kPrefetchBytes ahead. The hardware prefetchers do not cross 4 KiB pages,
+  // and with four input streams a core then keeps too few lines in flight:
+  // on 50M params (2-core Ice Lake VM, under load) the AVX2 build measured
+  // 2-9% faster with it at 1 thread and 7-9% at 2; in cache it costs nothing.
+  constexpr int64_t kLineFloats = 64 / sizeof(float);
+  constexpr int64_t kStep = Ops::kWidth > kLineFloats ? Ops::kWidth : kLineFloats;
+  int64_t i = begin;
+  for (; i + kStep <= end; i += kStep) {
+    Ops::prefetch(ahead(param + i));
+    Ops::prefetch(ahead(grad + i));
+    Ops::prefetch(ahead(exp_avg + i));
+    Ops::prefetch(ahead(exp_avg_sq + i));
+    for (int64_t j = i; j < i + kStep; j += Ops::kWidth) update(j);
   }
+  for (; i < end; i += Ops::kWidth) update(i);
 }
 
 // Floats per OpenMP work item: a multiple of every vector width (so only the

@@ -44,6 +44,7 @@ struct ScalarOps {
   static Reg div(Reg a, Reg b) { return a / b; }
   static Reg sqrt(Reg a) { return std::sqrt(a); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }  // a * b + c
+  static void prefetch(const void*) {}  // the portable build leaves it to the hardware
 };
 
 #if defined(ZE_USE_AVX512) || defined(ZE_USE_AVX2)
@@ -101,6 +102,8 @@ struct Avx512Ops {
   static Reg div(Reg a, Reg b) { return _mm512_div_ps(a, b); }
   static Reg sqrt(Reg a) { return _mm512_sqrt_ps(a); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  // A hint only: it never faults, so it may point past the end of an array.
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };
 using VecOps = Avx512Ops;
 inline const char* simd_level() { return "avx512"; }
@@ -151,6 +154,8 @@ struct Avx2Ops {
   static Reg div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
   static Reg sqrt(Reg a) { return _mm256_sqrt_ps(a); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  // A hint only: it never faults, so it may point past the end of an array.
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };
 using VecOps = Avx2Ops;
 inline const char* simd_level() { return "avx2"; }
