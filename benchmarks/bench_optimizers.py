@@ -3,6 +3,7 @@ main job's model, per optimizer and seed.
 
     python benchmarks/bench_optimizers.py [--steps 300] [--seeds 0,1,2] [--optimizers AdamW,Adafactor,SM3,Muon]
                                           [--out benchmarks/results/optimizers.json] [--plot ...png] [--quick]
+    python benchmarks/bench_optimizers.py --optimizers AdamW-bf16,AdamW-bf16-masters,AdamW-bf16-states --seeds 0,1
 
 examples/gpt's GPT (4 layers, width 128, bytes of the Python standard library's source, the main job's data)
 at ZeRO stage 2 on 2 gloo ranks, every optimizer on the same batches per seed, with the same schedule shape: a
@@ -38,6 +39,14 @@ OPTIMIZERS = {
     "SM3": {"type": "SM3", "params": {"lr": 0.05, "momentum": 0.9}},
     "Muon": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01}},
 }
+# bf16 training with AdamW: fp32 masters and moments, bf16 masters (bf16.bf16_master_weights_and_grads), and
+# bf16 masters and moments (+ bf16_optimizer_states): what the lean states cost. Not in the default set (bf16
+# matmuls are slow on CPUs without bf16 units): --optimizers AdamW,AdamW-bf16,AdamW-bf16-masters,AdamW-bf16-states
+BF16 = {"AdamW-bf16": {}, "AdamW-bf16-masters": {"bf16_master_weights_and_grads": True},
+        "AdamW-bf16-states": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+for _name in BF16:
+    OPTIMIZERS[_name] = OPTIMIZERS["AdamW"]
+DEFAULT = "AdamW,Adafactor,SM3,Muon"
 BLOCK, MICRO, HELD_OUT, WARMUP = 128, 8, 64, 10
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -60,6 +69,8 @@ def _train(rank, world, name: str, seed: int, steps: int, eval_every: int):
     params = model.num_params()
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "steps_per_print": None, "optimizer": OPTIMIZERS[name], "zero_optimization": {"stage": 2}}
+    if name in BF16:
+        config["bf16"] = {"enabled": True, **BF16[name]}
     engine, _, _, _ = zeroengine.initialize(model=model, config=config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer.optimizer, lambda s: min((s + 1) / WARMUP, max(0.0, (steps - s) / (steps - WARMUP))))
@@ -101,7 +112,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--optimizers", default=DEFAULT, help=f"comma list of {', '.join(OPTIMIZERS)}")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="12 steps, one seed (a smoke test)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "optimizers.json"))
