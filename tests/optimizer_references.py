@@ -55,7 +55,7 @@ class ReferenceMuon(torch.optim.Optimizer):
                     buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
                     buf.lerp_(g, 1 - group["momentum"])
                     update = orthogonalize(g.clone().lerp_(buf, group["momentum"]), group["ns_method"],
-                                           dtype=torch.float32)
+                                           dtype=torch.float32, num_heads=getattr(p, "muon_num_heads", None))
                 else:
                     m = state.setdefault("exp_avg", torch.zeros_like(p))
                     v = state.setdefault("exp_avg_sq", torch.zeros_like(p))

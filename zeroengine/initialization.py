@@ -363,7 +363,11 @@ def _resolve_optimizer(cfg, model, optimizer, model_parameters):
                           "or pass optimizer= to initialize()")
     if optimizer is None:
         if cfg.optimizer.type == "Muon":  # which parameters Muon steps: a property of each (DeepSpeed's tagging)
-            tag_muon_parameters(model)
+            per_head = bool(cfg.optimizer.params.get("per_head_muon", False))
+            if not tag_muon_parameters(model, per_head) and per_head:
+                raise ConfigError("optimizer.params.per_head_muon", "no attention projection could be tagged (q/k/v "
+                                  "projections named as in Hugging Face models, whose rows match the model config's "
+                                  "heads x head_dim): per-head Newton-Schulz would be inactive; unset it")
         lean = None  # bf16 masters: Adam's moments in bf16 (bf16_optimizer_states) or fp32
         if cfg.bf16.bf16_master_weights_and_grads:
             lean = torch.bfloat16 if cfg.bf16.bf16_optimizer_states else torch.float32

@@ -189,3 +189,58 @@ def test_memory_breakdown_counts_the_state_the_formulas_predict(name):
     shared = set(results[0][3]) & set(results[1][3])
     assert shared  # (the tiny model's small buckets do cut matrices)
     assert sum(r[0] for r in results) == e0 + sum(results[0][3][k] for k in shared)
+
+
+def _llama_muon_config(world, stage):
+    from test_real_models import MICRO
+
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "steps_per_print": 1000, "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+            "optimizer": {"type": "Muon", "params": {**MUON, "per_head_muon": True}}}
+
+
+def train_llama_per_head(rank, world, stage):
+    from test_real_models import MICRO, build, global_batches, loss_of
+
+    engine, _, _, _ = zeroengine.initialize(model=build("llama"), config=_llama_muon_config(world, stage))
+    engine.optimizer.optimizer.ns_dtype = torch.float32
+    heads = {n: p.muon_num_heads for n, p in engine.module.named_parameters() if p.muon_num_heads}
+    for (ids,) in global_batches("llama"):
+        loss = loss_of(engine, (ids[rank * MICRO:(rank + 1) * MICRO],))
+        engine.backward(loss)
+        engine.step()
+    return heads, full_state(engine)
+
+
+def test_per_head_muon_on_a_llama_orthogonalises_each_attention_head():
+    """per_head_muon: q_proj splits into the config's 4 heads, k_proj and v_proj into its 2 key-value heads (of
+    8 rows each); partitioned at stage 2 on 2 ranks it equals the whole-tensor reference within 1e-5."""
+    from test_real_models import CLIP, build, global_batches, loss_of
+
+    from zeroengine.optim.muon import tag_muon_parameters
+
+    results = run_distributed(train_llama_per_head, 2, 2)
+    model = build("llama")
+    tagged = tag_muon_parameters(model, per_head=True)
+    assert {n.split(".")[-2]: h for n, h in tagged.items()} == {"q_proj": 4, "k_proj": 2, "v_proj": 2}
+    opt = _reference_groups(model)
+    for (ids,) in global_batches("llama"):
+        loss_of(model, (ids,)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.detach() for k, v in model.state_dict().items()}
+    for heads, params in results:
+        assert heads == tagged
+        for key, value in want.items():
+            torch.testing.assert_close(params[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def _reference_groups(model):
+    muon = [p for p in model.parameters() if p.use_muon]
+    adam = [p for p in model.parameters() if not p.use_muon]
+    return ReferenceMuon([
+        {"params": muon, "use_muon": True, "lr": MUON["muon_lr"], "momentum": MUON["momentum"],
+         "weight_decay": MUON["weight_decay"], "ns_method": "gram"},
+        {"params": adam, "use_muon": False, "lr": MUON["adam_lr"], "betas": (0.9, 0.95), "eps": MUON["eps"],
+         "weight_decay": MUON["weight_decay"]}])

@@ -10,5 +10,5 @@ from test_deepspeed_checkpoints import run_deepspeed
 def test_muon_math_and_trajectory_equal_deepspeeds():
     done = run_deepspeed("ds_muon_trajectory.py", timeout=120)
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert len(result) == 14
+    assert len(result) == 18
     assert all(diff == 0.0 for diff in result.values()), result

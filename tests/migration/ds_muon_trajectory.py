@@ -2,7 +2,8 @@
 zeroengine's on the same inputs, in fp32, printed as one JSON line (tests/distributed/test_deepspeed_checkpoints.py
 style: the anchor never enters the test process).
 
-* each Newton-Schulz function and ``muon_update`` on wide, tall and square matrices, gram and standard;
+* each Newton-Schulz function and ``muon_update`` on wide, tall and square matrices, gram and standard, and the
+  per-head orthogonalisation of ``per_head_muon``;
 * three steps of DeepSpeed's SingleDeviceMuonWithAuxAdam (what its stage 0 steps) against zeroengine's Muon on
   whole tensors, a Muon matrix and an Adam vector.
 
@@ -32,6 +33,13 @@ for shape in ((8, 20), (20, 8), (12, 12)):
         buf.lerp_(grad, 0.1)
         got = ze.orthogonalize(grad.clone().lerp_(buf, 0.9), method, dtype=torch.float32)
         out[f"muon_update_{method}{shape}"] = (want - got).abs().max().item()
+
+for heads, shape in ((4, (32, 20)), (2, (16, 40))):  # per_head_muon: [heads * head_dim, in]
+    U = torch.randn(shape, generator=g)
+    for method in ("gram", "standard"):
+        want = ds._per_head_orthogonalize(U.clone(), heads, 5, method)
+        got = ze.orthogonalize(U.clone(), method, dtype=torch.float32, num_heads=heads)
+        out[f"per_head_{method}{shape}"] = (want - got).abs().max().item()
 
 w0, b0 = torch.randn(12, 20, generator=g), torch.randn(12, generator=g)
 grads = [(torch.randn(12, 20, generator=g), torch.randn(12, generator=g)) for _ in range(3)]

@@ -167,9 +167,7 @@ def _build_muon(name: str, kwargs: dict, groups: list, offload_optimizer: bool) 
     from .muon import ADAM_KEYS, MUON_KEYS, Muon, muon_param_groups
 
     adam_w_mode = _pop_bool(kwargs, "adam_w_mode", True)
-    if kwargs.pop("per_head_muon", False):
-        raise OptimizerParamsError("optimizer.params.per_head_muon", "per-head Newton-Schulz for attention "
-                                   "projections is not built yet: leave per_head_muon false")
+    kwargs.pop("per_head_muon", None)  # (read where the model is: initialize() tags the projections)
     known = {*MUON_KEYS, *ADAM_KEYS, "muon_lr", "adam_lr"}
     unknown = sorted(set(kwargs) - known)
     if unknown:

@@ -105,9 +105,17 @@ def gram_newton_schulz(G: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtyp
 
 
 def orthogonalize(update: torch.Tensor, ns_method: str, steps: int = NS_STEPS,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """NS5 of a matrix (a 4-D conv weight as [out, rest]) times sqrt(max(1, rows / cols)), in ``update``'s dtype."""
+                  dtype: torch.dtype | None = None, num_heads: int | None = None) -> torch.Tensor:
+    """NS5 of a matrix (a 4-D conv weight as [out, rest]) times sqrt(max(1, rows / cols)), in ``update``'s dtype.
+    ``num_heads`` (``per_head_muon``): an attention projection [heads * head_dim, in] is orthogonalised per head,
+    as the batch [heads, head_dim, in], each block scaled by its own shape."""
     shape = update.shape
+    if num_heads is not None:
+        if update.dim() != 2 or shape[0] % num_heads:
+            raise ValueError(f"per-head Muon needs a 2-D projection whose rows divide into {num_heads} heads, got "
+                             f"{tuple(shape)}")
+        return orthogonalize(update.view(num_heads, shape[0] // num_heads, shape[1]), ns_method, steps,
+                             dtype).reshape(shape)
     matrix = update.reshape(shape[0], -1) if update.dim() == 4 else update
     dtype = dtype or ns_compute_dtype(ns_method, update.device)
     iterate = gram_newton_schulz if ns_method == "gram" else newton_schulz
@@ -159,7 +167,10 @@ class Muon(PartitionAware):
         whole = self._whole_matrices(muon, updates)
         for group, p, place in muon:
             full = whole[place.key] if whole is not None else updates[id(p)].view(place.shape)
-            o = orthogonalize(full, group["ns_method"], dtype=self.ns_dtype).reshape(-1)[place.start:place.end]
+            heads = self.partition.heads.get(place.key) if self.partition is not None else getattr(
+                p, "muon_num_heads", None)
+            o = orthogonalize(full, group["ns_method"], dtype=self.ns_dtype, num_heads=heads)
+            o = o.reshape(-1)[place.start:place.end]
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
         return loss
@@ -212,12 +223,37 @@ def is_muon_parameter(name: str, shape) -> bool:
     return len(shape) >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
 
 
-def tag_muon_parameters(model: torch.nn.Module) -> None:
-    """``p.use_muon`` by :func:`is_muon_parameter`, on the layer shape (zero.Init's placeholders are flat)."""
+# per_head_muon: projections whose output rows are blocked by heads (DeepSpeed's names); the output projection and
+# fused q/k/v matrices are not (their heads lie on the input dimension, or mix three kinds of rows)
+QUERY_LEAVES = ("q_proj", "query", "wq")
+KV_LEAVES = ("k_proj", "key", "wk", "v_proj", "value", "wv")
+FUSED_LEAVES = ("qkv_proj", "query_key_value", "c_attn", "in_proj_qkv", "wqkv")
+
+
+def tag_muon_parameters(model: torch.nn.Module, per_head: bool = False) -> dict[str, int]:
+    """``p.use_muon`` by :func:`is_muon_parameter`, on the layer shape (zero.Init's placeholders are flat). With
+    ``per_head`` also ``p.muon_num_heads`` on the attention projections the model's config describes (a
+    Hugging Face ``config``: ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or hidden / heads),
+    confirmed by the shape (rows == heads x head_dim); returns {name: heads} of those tagged."""
     from zeroengine.zero.param_guard import full_shape
 
+    config = getattr(getattr(model, "config", None), "text_config", None) or getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None)
+    tagged = {}
     for name, p in model.named_parameters():
-        p.use_muon = is_muon_parameter(name, full_shape(p))
+        shape = full_shape(p)
+        p.use_muon = is_muon_parameter(name, shape)
+        p.muon_num_heads = None
+        leaf = name.split(".")[-2].lower() if "." in name else name.lower()
+        if not (per_head and p.use_muon and len(shape) == 2 and head_dim) or leaf.startswith(FUSED_LEAVES):
+            continue
+        count = heads if leaf.startswith(QUERY_LEAVES) else kv_heads if leaf.startswith(KV_LEAVES) else None
+        if count and shape[0] == count * head_dim:
+            p.muon_num_heads = tagged[name] = count
+    return tagged
 
 
 def muon_param_groups(groups: list, config_params: dict) -> list[dict]:

@@ -23,6 +23,7 @@ PyTorch loop) each parameter is its own piece and nothing is reduced.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -56,6 +57,7 @@ class Partition:
     reduce: Callable[[torch.Tensor, dist.ReduceOp], None]
     stepping: list[int] | None = None  # the buckets the current step() covers (None: all)
     muon_keys: frozenset = frozenset()  # parameters in Muon's groups (zeroengine/optim/muon.py)
+    heads: dict = dataclasses.field(default_factory=dict)  # key -> per_head_muon's head count
 
     def catalog(self) -> list[tuple[int, tuple[int, ...]]]:
         buckets = range(len(self.bucket_params)) if self.stepping is None else self.stepping

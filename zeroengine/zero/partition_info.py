@@ -25,7 +25,9 @@ def attach_partition(sharded, params: list[torch.nn.Parameter], group_of_slot: l
             places[id(piece)] = PieceOf(where.slot.index, shapes[where.slot.index], where.param_start,
                                         where.param_end, bucket.index)
     muon = frozenset(slot for slot, g in enumerate(group_of_slot) if optimizer.param_groups[g].get("use_muon"))
-    optimizer.attach_partition(Partition(places, bucket_params, _reduce_over(sharded.group), muon_keys=muon))
+    heads = {slot: p.muon_num_heads for slot, p in enumerate(params) if getattr(p, "muon_num_heads", None)}
+    optimizer.attach_partition(Partition(places, bucket_params, _reduce_over(sharded.group), muon_keys=muon,
+                                         heads=heads))
 
 
 def _reduce_over(group):

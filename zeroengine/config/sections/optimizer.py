@@ -171,8 +171,9 @@ class MuonParams(ConfigModel):
     betas: Betas = Field((0.9, 0.95), description="The Adam half's betas.")
     eps: float = Field(1e-10, description="The Adam half's eps.")
     adam_w_mode: bool = Field(True, description="Decoupled weight decay in the Adam half.")
-    per_head_muon: bool = Field(False, description="DeepSpeed's per-attention-head Newton-Schulz: not built yet "
-                                                   "(true is refused).")
+    per_head_muon: bool = Field(False, description="Orthogonalise each attention head of the q/k/v projections on "
+                                                   "its own (head counts from the model's Hugging Face config, "
+                                                   "confirmed by shape); an error when nothing can be tagged.")
 
     @field_validator("ns_method")
     @classmethod
