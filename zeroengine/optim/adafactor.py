@@ -63,15 +63,8 @@ class Adafactor(PartitionAware):
                 state["variance"] = torch.zeros_like(p)
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stepped = self.stepped()
+    def step_pieces(self, stepped, device) -> None:
         catalog = self.catalog(stepped)
-        device = stepped[0][1].device if stepped else torch.device("cpu")
         # 1. each piece's part of the row/column sums of g^2 and of |param|^2, then summed over the ranks
         sums = StatLayout(catalog, _grad_stat_sizes)
         flat = torch.zeros(sums.numel, dtype=torch.float32, device=device)
@@ -120,7 +113,6 @@ class Adafactor(PartitionAware):
             if group["weight_decay"] != 0:
                 p.mul_(1 - lr * group["weight_decay"])
             p.add_(self._update(group, p, place, state).view(p.shape).to(p.dtype), alpha=-alpha / denom)
-        return loss
 
     def _update(self, group, p, place, state) -> torch.Tensor:
         """u = g / sqrt(max(v, eps1^2)) for the piece's elements, flat, from the current state."""

@@ -143,13 +143,7 @@ class Muon(PartitionAware):
         self.adam_w_mode = adam_w_mode
         super().__init__(groups, {})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stepped = self.stepped()
+    def step_pieces(self, stepped, device) -> None:
         muon = [(g, p, place) for g, p, place in stepped if g["use_muon"]]
         for group, p, _ in stepped:
             if not group["use_muon"]:
@@ -173,7 +167,6 @@ class Muon(PartitionAware):
             o = o.reshape(-1)[place.start:place.end]
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
-        return loss
 
     def _whole_matrices(self, muon, updates) -> dict | None:
         """key -> the whole matrix of Nesterov updates, summed over the ranks' pieces (None without a partition:

@@ -100,6 +100,21 @@ class PartitionAware(torch.optim.Optimizer):
             return self.partition.catalog()
         return [(place.key, place.shape) for _, _, place in stepped]
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = self.stepped()
+        # (where the step's statistics live: the pieces' device, or the host on a rank with none this call)
+        self.step_pieces(stepped, stepped[0][1].device if stepped else torch.device("cpu"))
+        return loss
+
+    def step_pieces(self, stepped: list, device: torch.device) -> None:
+        """Step ``stepped`` (see :meth:`stepped`); every rank calls it, with or without pieces."""
+        raise NotImplementedError
+
     def reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """Sum (or max) ``tensor`` over the ranks partitioning the parameters, in place."""
         if self.partition is not None:

@@ -57,15 +57,8 @@ class SM3(PartitionAware):
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stepped = self.stepped()
+    def step_pieces(self, stepped, device) -> None:
         layout = StatLayout(self.catalog(stepped), _acc_sizes)
-        device = stepped[0][1].device if stepped else torch.device("cpu")
         new_acc = torch.zeros(layout.numel, dtype=torch.float32, device=device)  # nu >= 0: 0 is max's identity
         for group, p, place in stepped:
             state = self._state(p, place, group)
@@ -103,7 +96,6 @@ class SM3(PartitionAware):
         for group, p, place in stepped:
             for d in range(len(place.shape) if len(place.shape) > 1 else 0):
                 self.state[p][f"acc_{d}"].copy_(layout.view(new_acc, place.key, f"acc_{d}"))
-        return loss
 
 
 def sm3_state_numel(shape: tuple[int, ...]) -> int:
