@@ -18,14 +18,16 @@ What DeepSpeed's ``"type": "Muon"`` trains (its ``MuonWithAuxAdam``), and so wha
 * Adam: ``m <- lerp(m, g, 1 - b1)``, ``v <- lerp(v, g^2, 1 - b2)``, ``p -= lr * m_hat / (sqrt(v_hat) + eps)``.
 
 Under ZeRO a rank holds flat pieces of matrices. Newton-Schulz is not elementwise, so each Muon matrix is made
-whole first: every rank writes its pieces' ``u`` into a zeroed buffer laid out by the step's catalog (the same on
-every rank) and one all-reduce per step call sums them (each element comes from exactly one rank, so the sum is
-exact); each rank then orthogonalises the matrices it holds a piece of and applies its own elements. The
-momentum is per element and stays partitioned (4 bytes per parameter); the Adam half is elementwise.
+whole first, one bucket at a time: every rank writes its pieces' ``u`` into a zeroed buffer laid out by the
+bucket's Muon parameters (the same on every rank) and one all-reduce sums them (each element comes from exactly
+one rank, so the sum is exact); each rank then orthogonalises the matrices it holds a piece of and applies its
+own elements before the next bucket, so at most one bucket's Muon matrices are whole at once. The momentum is per
+element and stays partitioned (4 bytes per parameter); the Adam half is elementwise.
 """
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 
@@ -144,46 +146,57 @@ class Muon(PartitionAware):
         super().__init__(groups, {})
 
     def step_pieces(self, stepped, device) -> None:
-        muon = [(g, p, place) for g, p, place in stepped if g["use_muon"]]
         for group, p, _ in stepped:
             if not group["use_muon"]:
                 self._adam(group, p)
-        # Muon: each piece's Nesterov momentum update, made whole per matrix, orthogonalised, applied
-        updates = {}
-        for group, p, place in muon:
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            grad = p.grad.float() if p.grad.dtype != p.dtype else p.grad.clone()
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad.to(buf.dtype), 1 - group["momentum"])
-            updates[id(p)] = grad.lerp_(buf.to(grad.dtype), group["momentum"])
-        whole = self._whole_matrices(muon, updates)
-        for group, p, place in muon:
-            full = whole[place.key] if whole is not None else updates[id(p)].view(place.shape)
-            heads = self.partition.heads.get(place.key) if self.partition is not None else getattr(
-                p, "muon_num_heads", None)
-            o = orthogonalize(full, group["ns_method"], dtype=self.ns_dtype, num_heads=heads)
-            o = o.reshape(-1)[place.start:place.end]
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
+        muon = [(g, p, place) for g, p, place in stepped if g["use_muon"]]
+        if self.partition is None:  # each piece is its whole parameter
+            for group, p, place in muon:
+                self._apply(group, p, place, self._nesterov(group, p).view(place.shape), getattr(
+                    p, "muon_num_heads", None))
+            return
+        # One bucket at a time, in the same order on every rank: its Muon matrices made whole, orthogonalised and
+        # applied before the next, so what is held at once is one bucket's worth (reduce_bucket_size).
+        by_bucket = defaultdict(list)
+        for entry in muon:
+            by_bucket[entry[2].bucket].append(entry)
+        partition = self.partition
+        for b in partition.stepping if partition.stepping is not None else range(len(partition.bucket_params)):
+            catalog = [(key, shape) for key, shape in partition.bucket_params[b] if key in partition.muon_keys]
+            if catalog:
+                whole = self._whole_matrices(catalog, by_bucket.get(b, []))
+                for group, p, place in by_bucket.get(b, []):
+                    self._apply(group, p, place, whole[place.key], partition.heads.get(place.key))
 
-    def _whole_matrices(self, muon, updates) -> dict | None:
-        """key -> the whole matrix of Nesterov updates, summed over the ranks' pieces (None without a partition:
-        every piece is its whole matrix)."""
-        if self.partition is None:
-            return None
-        muon_keys = self.partition.muon_keys
-        catalog = [(key, shape) for key, shape in self.partition.catalog() if key in muon_keys]
+    def _nesterov(self, group, p) -> torch.Tensor:
+        """The piece's momentum updated in place, and its Nesterov update lerp(g, m, momentum) (a new tensor)."""
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        grad = p.grad.float() if p.grad.dtype != p.dtype else p.grad.clone()
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad.to(buf.dtype), 1 - group["momentum"])
+        return grad.lerp_(buf.to(grad.dtype), group["momentum"])
+
+    def _apply(self, group, p, place, full: torch.Tensor, heads: int | None) -> None:
+        """Orthogonalise the whole matrix's update and apply the piece's elements of it."""
+        o = orthogonalize(full, group["ns_method"], dtype=self.ns_dtype, num_heads=heads)
+        o = o.reshape(-1)[place.start:place.end]
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(o.view(p.shape).to(p.dtype), alpha=-group["lr"])
+
+    def _whole_matrices(self, catalog, pieces) -> dict:
+        """key -> the whole matrix of Nesterov updates of ``catalog``'s parameters: each rank writes its pieces'
+        into a zeroed buffer and one all-reduce sums them (every element comes from one rank: exact)."""
         offsets, total = {}, 0
         for key, shape in catalog:
             offsets[key] = total
             total += math.prod(shape)
-        device = muon[0][1].device if muon else torch.device("cpu")
+        device = pieces[0][1].device if pieces else torch.device("cpu")
         flat = torch.zeros(total, dtype=torch.float32, device=device)
-        for _, p, place in muon:
+        for group, p, place in pieces:
             start = offsets[place.key] + place.start
-            flat[start:start + place.end - place.start] = updates[id(p)].reshape(-1).float()
+            flat[start:start + place.end - place.start] = self._nesterov(group, p).reshape(-1).float()
         self.reduce(flat)
         return {key: flat[offsets[key]:offsets[key] + math.prod(shape)].view(shape) for key, shape in catalog}
 
