@@ -61,7 +61,8 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
         psi = psi_all = int(count)
         if optimizer is not None:
             if needs_shapes(optimizer):
-                raise ValueError(f"{optimizer}'s state depends on the parameters' shapes: pass the module, not a count")
+                raise ValueError(f"{optimizer}'s state depends on the parameters' shapes (and Muon's on their names): "
+                                 "pass the module, not a count")
             state_total = state_bytes(optimizer, (psi,), optimizer_params)
     for name, size in (("tensor_parallel_size", tensor_parallel_size),
                        ("pipeline_parallel_size", pipeline_parallel_size)):

@@ -26,10 +26,27 @@ import torch
 from .partitioned import PartitionAware, StatLayout, boxes_of
 
 
+def factored_sizes(shape: tuple[int, ...]) -> dict[str, int]:
+    """Elements of a matrix's ([..., R, C]) row and column second moments (what the state and the per-step sums
+    hold; zeroengine/optim/state_bytes.py counts them too)."""
+    return {"rows": math.prod(shape[:-1]), "cols": math.prod(shape[:-2]) * shape[-1]}
+
+
 def _grad_stat_sizes(shape: tuple[int, ...]) -> dict[str, int]:
-    if len(shape) > 1:
-        return {"rows": math.prod(shape[:-1]), "cols": math.prod(shape[:-2]) * shape[-1], "param_sq": 1}
-    return {"param_sq": 1}
+    return {**(factored_sizes(shape) if len(shape) > 1 else {}), "param_sq": 1}
+
+
+def _signed_grad(group, p: torch.Tensor) -> torch.Tensor:
+    """The piece's gradient, flat, in fp32, negated under ``maximize``."""
+    grad = p.grad.reshape(-1).float()
+    return -grad if group["maximize"] else grad
+
+
+def _row_col(sums: "StatLayout", flat: torch.Tensor, place) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parameter's row sums ([..., R, 1]) and column sums ([..., 1, C]) in the step's statistics tensor."""
+    rows = sums.view(flat, place.key, "rows").view(*place.shape[:-1], 1)
+    cols = sums.view(flat, place.key, "cols").view(*place.shape[:-2], 1, place.shape[-1])
+    return rows, cols
 
 
 class Adafactor(PartitionAware):
@@ -70,12 +87,9 @@ class Adafactor(PartitionAware):
         flat = torch.zeros(sums.numel, dtype=torch.float32, device=device)
         for group, p, place in stepped:
             self._state(p, place)
-            grad = p.grad.reshape(-1).float()
-            if group["maximize"]:
-                grad = -grad
+            grad = _signed_grad(group, p)
             if len(place.shape) > 1:
-                rows = sums.view(flat, place.key, "rows").view(*place.shape[:-1], 1)
-                cols = sums.view(flat, place.key, "cols").view(*place.shape[:-2], 1, place.shape[-1])
+                rows, cols = _row_col(sums, flat, place)
                 for index, box in boxes_of(grad, place):
                     square = box * box
                     rows[index[:-1]] += square.sum(-1, keepdim=True)
@@ -91,12 +105,11 @@ class Adafactor(PartitionAware):
             state["step"] += 1
             decay = float(state["step"]) ** group["beta2_decay"]
             if len(place.shape) > 1:
-                rows = sums.view(flat, place.key, "rows").view(*place.shape[:-1], 1)
-                cols = sums.view(flat, place.key, "cols").view(*place.shape[:-2], 1, place.shape[-1])
+                rows, cols = _row_col(sums, flat, place)
                 state["row_var"].lerp_(rows.to(state["row_var"].device) / place.shape[-1], decay)
                 state["col_var"].lerp_(cols.to(state["col_var"].device) / place.shape[-2], decay)
             else:
-                grad = p.grad.float() if not group["maximize"] else -p.grad.float()
+                grad = _signed_grad(group, p).view(p.shape)
                 state["variance"].lerp_(grad * grad, decay)
             u = self._update(group, p, place, state)
             norms.view(update_sq, place.key, "update_sq").add_(torch.dot(u, u).to(device))
@@ -119,9 +132,7 @@ class Adafactor(PartitionAware):
         eps1 = group["eps"][0]
         if eps1 is None:
             eps1 = torch.finfo(p.dtype).eps
-        grad = p.grad.reshape(-1).float()
-        if group["maximize"]:
-            grad = -grad
+        grad = _signed_grad(group, p)
         if len(place.shape) <= 1:
             return state["variance"].reshape(-1).clamp(min=eps1 * eps1).rsqrt_().mul_(grad)
         row_var, col_var = state["row_var"], state["col_var"]

@@ -16,8 +16,6 @@ slices, taken over the rank's pieces and then over the ranks in one all-reduce (
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -26,7 +24,9 @@ from .partitioned import PartitionAware, StatLayout, boxes_of
 MAX_DIMS = 8
 
 
-def _acc_sizes(shape: tuple[int, ...]) -> dict[str, int]:
+def accumulator_sizes(shape: tuple[int, ...]) -> dict[str, int]:
+    """A tensor's accumulators (one per index of each dimension; none besides the per-element one for a vector),
+    by state key: what the state holds and the per-step maxima lay out (state_bytes.py counts them too)."""
     return {f"acc_{d}": n for d, n in enumerate(shape)} if len(shape) > 1 else {}
 
 
@@ -58,7 +58,7 @@ class SM3(PartitionAware):
         return state
 
     def step_pieces(self, stepped, device) -> None:
-        layout = StatLayout(self.catalog(stepped), _acc_sizes)
+        layout = StatLayout(self.catalog(stepped), accumulator_sizes)
         new_acc = torch.zeros(layout.numel, dtype=torch.float32, device=device)  # nu >= 0: 0 is max's identity
         for group, p, place in stepped:
             state = self._state(p, place, group)
@@ -97,7 +97,3 @@ class SM3(PartitionAware):
             for d in range(len(place.shape) if len(place.shape) > 1 else 0):
                 self.state[p][f"acc_{d}"].copy_(layout.view(new_acc, place.key, f"acc_{d}"))
 
-
-def sm3_state_numel(shape: tuple[int, ...]) -> int:
-    """Elements of SM3's second-moment state for a parameter of ``shape`` (its momentum buffer aside)."""
-    return sum(shape) if len(shape) > 1 else math.prod(shape)

@@ -22,11 +22,13 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], params: dict | None = No
     if optimizer == "SGD":
         return 4 * numel if params.get("momentum", 0) else 0
     if optimizer == "Adafactor":  # a row and a column second moment per matrix; a vector's is per element
-        if len(shape) > 1:
-            return 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1])
-        return 4 * numel
+        from .adafactor import factored_sizes
+
+        return 4 * (sum(factored_sizes(shape).values()) if len(shape) > 1 else numel)
     if optimizer == "SM3":  # one accumulator per index of each dimension (per element for a vector), momentum
-        accumulators = sum(shape) if len(shape) > 1 else numel
+        from .sm3 import accumulator_sizes
+
+        accumulators = sum(accumulator_sizes(shape).values()) if len(shape) > 1 else numel
         return 4 * accumulators + (4 * numel if params.get("momentum", 0) else 0)
     raise ValueError(f"no state formula for optimizer {optimizer!r}; known: "
                      f"{', '.join([*ELEMENTWISE_BYTES, 'SGD', 'Adafactor', 'SM3', 'Muon'])}")
