@@ -62,7 +62,7 @@ def _train(rank, world, seed: int, warmup, lr: float, steps: int):
     losses, times = [], []
     for step in range(steps):
         picked = order[(step * world + rank) * MICRO:(step * world + rank + 1) * MICRO]
-        x, y = (torch.stack(t) for t in zip(*(data[int(i)] for i in picked)))
+        x, y = data.batch(picked)
         start = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -72,7 +72,7 @@ def _train(rank, world, seed: int, warmup, lr: float, steps: int):
     engine.optimizer.land_delayed_update()
     engine.eval()
     with torch.no_grad():
-        x, y = (torch.stack(t) for t in zip(*(data[i] for i in held_out)))
+        x, y = data.batch(held_out)
         held = float(engine(x, y))
     return {"losses": losses, "held_out_loss": held, "step_s": statistics.mean(times[10:])}
 

@@ -81,7 +81,7 @@ def _train(rank, world, name: str, seed: int, steps: int, eval_every: int):
     def evaluate() -> float:
         engine.eval()
         with torch.no_grad():
-            x, y = (torch.stack(t) for t in zip(*(data[i] for i in held_out)))
+            x, y = data.batch(held_out)
             loss = float(engine(x, y))
         engine.train()
         return loss
@@ -89,7 +89,7 @@ def _train(rank, world, name: str, seed: int, steps: int, eval_every: int):
     losses, times, evals, rss_growth = [], [], [], None
     for step in range(steps):
         picked = order[(step * world + rank) * MICRO:(step * world + rank + 1) * MICRO]
-        x, y = (torch.stack(t) for t in zip(*(data[int(i)] for i in picked)))
+        x, y = data.batch(picked)
         start = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)

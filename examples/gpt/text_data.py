@@ -50,6 +50,12 @@ class PythonSourceBytes(torch.utils.data.Dataset):
         window = self.windows[start:start + self.block_size + 1]
         return window[:-1], window[1:]
 
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of the windows ``indices`` (ints or a 1-D tensor), stacked: ``[len, block_size]``
+        each."""
+        x, y = zip(*(self[int(i)] for i in indices))
+        return torch.stack(x), torch.stack(y)
+
 
 @torch.no_grad()
 def sample(model, prompt: bytes, new_bytes: int, block_size: int, device, temperature: float = 0.8,

@@ -1,6 +1,6 @@
-"""What ZeRO tells a matrix-wise optimizer (Adafactor, SM3: zeroengine/optim/partitioned.py) about its pieces:
-where each lies in its parameter, which parameters each bucket holds, and how to reduce over the ranks that
-partition them."""
+"""What ZeRO tells a matrix-wise optimizer (Adafactor, SM3, Muon: zeroengine/optim/partitioned.py) about its
+pieces: where each lies in its parameter, which parameters each bucket holds (and which of them Muon steps, with
+per_head_muon's head counts), and how to reduce over the ranks that partition them."""
 from __future__ import annotations
 
 import torch
