@@ -24,7 +24,8 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
                     offload_param: bool = False, dtype: torch.dtype = torch.float32,
                     optimizer_state_bytes_per_param: int = 8, tensor_parallel_size: int = 1,
                     pipeline_parallel_size: int = 1, optimizer: str | None = None,
-                    optimizer_params: dict | None = None) -> dict[str, float]:
+                    optimizer_params: dict | None = None, bf16_masters: bool = False,
+                    bf16_optimizer_states: bool = False) -> dict[str, float]:
     """Predicted bytes of model states on one rank, by kind and by place ("device" / "cpu").
 
     ``offload_optimizer`` may be a fraction (``offload_optimizer.ratio``, partial offload): that share of
@@ -39,7 +40,12 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
     dimensions (4 per element for vectors; SM3's momentum adds 4 per parameter), Muon 4 per parameter of the
     matrices it steps and Adam's 8 for the rest. Those three need the module (their state depends on shapes and
     names). Sharded, the state divides by N; a matrix cut between ranks has its row and column
-    statistics on each rank holding a piece, a few rows' worth more than 1/N."""
+    statistics on each rank holding a piece, a few rows' worth more than 1/N.
+
+    ``bf16_masters`` (``bf16.bf16_master_weights_and_grads``, bf16 only): no fp32 masters; the optimizer steps
+    the bf16 parameters themselves, so masters cost nothing, except that the offloaded share is a bf16 copy in
+    CPU memory (2 bytes per element, as fp32 training's offloaded share is a 4-byte one).
+    ``bf16_optimizer_states`` (with ``bf16_masters``): Adam's moments in bf16, 4 bytes per parameter."""
     from zeroengine.optim.state_bytes import needs_shapes, state_bytes
 
     state_total = None
@@ -85,17 +91,27 @@ def estimate_memory(model_or_param_count, world_size: int, stage: int, offload_o
         raise ValueError("parameter offload needs ZeRO stage 3")
     if dtype not in _WIDTH:
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    if bf16_masters and (dtype != torch.bfloat16 or stage == 0):
+        raise ValueError("bf16_masters needs dtype=torch.bfloat16 and ZeRO stage 1, 2 or 3")
+    if bf16_optimizer_states and (not bf16_masters or optimizer not in (None, "Adam", "AdamW")):
+        raise ValueError("bf16_optimizer_states needs bf16_masters and Adam or AdamW (optimizer None, \"Adam\" or "
+                         "\"AdamW\")")
     width, n = _WIDTH[dtype], world_size
     sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
     stepped = psi / (n if sharded["optimizer"] else 1)  # elements this rank's optimizer steps
+    if bf16_optimizer_states:
+        optimizer_state_bytes_per_param, state_total = 4, None
+    # Separate masters: fp32 ones in 16-bit training; otherwise only the offloaded share's host copy, in the
+    # parameters' own dtype with bf16 masters (fp32 training: 4 bytes; bf16_masters: 2).
+    master_width, master_share = (4, 1.0) if dtype != torch.float32 and not bf16_masters else (width, ratio)
     est = {
         "params": width * psi_all / (n if sharded["params"] else 1),
         "grads": width * psi / (n if sharded["grads"] else 1),
-        "master_params": 4 * stepped * (1.0 if dtype != torch.float32 else ratio),
+        "master_params": master_width * stepped * master_share,
         # (an optimizer's own formula: its whole state split evenly, over the model-parallel ranks too)
         "optimizer_states": (optimizer_state_bytes_per_param * stepped if state_total is None else
                              state_total / split / (n if sharded["optimizer"] else 1)),
     }
-    on_cpu = ratio * (4 * stepped + est["optimizer_states"]) + (est["params"] if offload_param else 0.0)
+    on_cpu = ratio * (master_width * stepped + est["optimizer_states"]) + (est["params"] if offload_param else 0.0)
     total = sum(est.values())
     return {**est, "cpu": on_cpu, "device": total - on_cpu, "total": total}

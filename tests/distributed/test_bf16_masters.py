@@ -42,6 +42,47 @@ def test_tracks_fp32_and_keeps_what_the_memory_model_says(stage, states):
         assert mem["optimizer_states"] == (4 if states else 8) * stepped
 
 
+def train_offloaded(rank, world, stage, states, ratio, delayed):
+    cfg = _config(stage, True, states)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": ratio, "delayed_update": delayed,
+                                                     "delayed_update_warmup_steps": 2}
+    engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
+    losses = engine_losses(engine, global_batches(STEPS, 2, world, 2), rank, world)
+    opt = engine.optimizer.optimizer
+    moments = {v.dtype for s in opt.state.values() for k, v in s.items() if k.startswith("exp_avg")}
+    stepped = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    host = sum(c.numel() for b, c in enumerate(engine.optimizer.chunks) if engine.optimizer.on_host(b))
+    predicted = zeroengine.estimate_memory(engine.optimizer.layout.param_numel, world, stage, ratio,
+                                           dtype=torch.bfloat16, bf16_masters=True, bf16_optimizer_states=states)
+    return losses, engine.memory_breakdown(), moments, stepped, host, opt.backend, predicted
+
+
+@pytest.mark.parametrize("stage,states,ratio,delayed", [(1, True, 1.0, False), (2, False, 0.5, False),
+                                                        (3, True, 1.0, True)])
+def test_offloaded_bf16_masters_step_in_the_cpu_adam_as_in_memory(stage, states, ratio, delayed):
+    """With offload_optimizer (DeepSpeed's home for bf16 masters) the C++ CPU Adam steps the offloaded bf16 chunks,
+    fp32 or bf16 moments, from bf16 gradients unscaled and clipped as in memory: the run is the in-memory (LeanAdam)
+    one up to where the two fp32 formulas round an update to a different bf16 value; partial offload steps the
+    resident share in the same kernel, and the delayed update trains as a one-step-delayed run."""
+    ref_losses, _ = reference_run(STEPS, 2, 2, micro=2, clip=0.5)
+    in_memory = run_distributed(train_bf16, 2, stage, True, states)[0][0]
+    for losses, mem, moments, stepped, host, backend, predicted in run_distributed(train_offloaded, 2, stage, states,
+                                                                                    ratio, delayed):
+        assert backend.startswith("cpp-")
+        assert moments == {torch.bfloat16 if states else torch.float32}
+        for got, want in zip(losses, ref_losses):  # bf16 training's tolerance (test_zero_parity)
+            assert abs(got - want) <= 0.02 * want, (losses, ref_losses)
+        if not delayed:  # (measured: at most 8e-5 apart over the 6 steps)
+            assert losses == pytest.approx(in_memory, rel=5e-4), (losses, in_memory)
+        assert 0 < host <= stepped and (host < stepped) == (ratio < 1)
+        assert mem["master_params"] == 2 * host  # only the offloaded share is a (bf16) copy
+        assert mem["optimizer_states"] == (4 if states else 8) * stepped
+        # estimate_memory predicts both before anything runs (the layout's padding apart; whole buckets offload)
+        assert mem["optimizer_states"] == pytest.approx(predicted["optimizer_states"], rel=0.05)
+        if ratio == 1.0:
+            assert mem["master_params"] == pytest.approx(predicted["master_params"], rel=0.05)
+
+
 def test_fp32_masters_are_what_bf16_masters_save():
     """The same run with fp32 masters holds 4 bytes per stepped element more (the copy bf16 masters drop)."""
     (_, lean, _, stepped, _), _ = run_distributed(train_bf16, 2, 2, True, True)
@@ -89,8 +130,10 @@ def save_lean(rank, world, save_dir):
     return train(engine, rank, world, SAVE_AT, MORE)
 
 
-def resume(rank, world, save_dir, lean):
+def resume(rank, world, save_dir, lean, offload=False):
     cfg = _lean_config(world, 3) if lean else config(world, 1, dtype="bf16")
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=cfg)
     engine.load_checkpoint(save_dir, tag="t")
     dtypes = {v.dtype for s in engine.optimizer.optimizer.state.values() for k, v in s.items() if k == "exp_avg"}
@@ -103,6 +146,10 @@ def test_checkpoints_move_between_bf16_and_fp32_states(tmp_path):
     for losses, dtypes in lean:  # the same precision at another stage: exactly where it was
         assert dtypes == {torch.bfloat16}
         assert losses == pytest.approx(uninterrupted, abs=1e-6)
+    offloaded = run_distributed(resume, 2, str(tmp_path), True, True)
+    for losses, dtypes in offloaded:  # into the CPU Adam's bf16 moments: as far as its rounding goes (see above)
+        assert dtypes == {torch.bfloat16}
+        assert losses == pytest.approx(uninterrupted, rel=5e-4)
     full = run_distributed(resume, 1, str(tmp_path), False)
     for losses, dtypes in full:  # into fp32 masters and moments: widened, and it trains on
         assert dtypes == {torch.float32}
@@ -125,11 +172,11 @@ def test_what_is_not_built_is_refused_by_name():
     states_alone = _config(2, masters=False, states=True, world=1)
     stage0 = _config(0, world=1)
     offload = _config(2, world=1)
-    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
     sgd = _config(2, world=1)
     sgd["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
     for cfg, words in ((states_alone, "bf16_optimizer_states"), (stage0, "stage 1, 2 or 3"),
-                       (offload, "offload_optimizer"), (sgd, "Adam and AdamW")):
+                       (offload, "nvme"), (sgd, "Adam and AdamW")):
         with pytest.raises(ConfigError, match="bf16") as info:
             load_config(cfg)
         assert words in str(info.value)

@@ -207,3 +207,81 @@ def test_deepspeed_style_state_with_an_int_step_and_torch_decoupled_flag_load(im
     ours[0].grad = torch.ones(64)
     to_ours.step()
     assert to_ours.state[ours[0]]["step"].item() == 3
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
+def test_kernel_bf16_params_round_the_fp32_step_once(kernel, state_dtype, grad_dtype, adamw_mode):
+    """A bf16 param (bf16_master_weights_and_grads, offloaded) with fp32 or bf16 moments: each step is the fp32
+    kernel's step on the widened values, each result rounded to its storage once, so it is bitwise that; and
+    within one bf16 step of the pure-PyTorch reference, whose fp32 intermediates round differently (no fma)."""
+    n = 100003  # past the OpenMP block, and a scalar tail
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw_mode)
+    gen = torch.Generator().manual_seed(3)
+    ours = [torch.randn(n, generator=gen).bfloat16(), torch.zeros(n, dtype=state_dtype),
+            torch.zeros(n, dtype=state_dtype)]
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=gen).to(grad_dtype)
+        wide = [t.to(torch.float32, copy=True) for t in ours]
+        ref = [t.clone() for t in ours]  # (each step from the same values: a one-step difference compounds)
+        kernel.adam_step(wide[0], grad.float(), wide[1], wide[2], None, step, **hyper.kernel_args())
+        kernel.adam_step(ours[0], grad, ours[1], ours[2], None, step, **hyper.kernel_args())
+        for got, want in zip(ours, wide):
+            assert torch.equal(got, want.to(got.dtype))
+        reference_adam_step(ref[0], grad, ref[1], ref[2], step, hyper)
+        # One bf16 step at most (2**-7 relative, at worst), or fp32 rounding where the update cancels the value
+        torch.testing.assert_close(ours[0].float(), ref[0].float(), rtol=2**-7, atol=1e-6)
+        assert (ours[0] != ref[0]).float().mean() < 0.01  # and only where the fp32 value sits on a rounding edge
+    assert ours[1].dtype == state_dtype and ours[0].dtype == torch.bfloat16
+
+
+def test_bf16_moments_step_load_and_resume_in_bf16(impl):
+    """``state_dtype=bf16``: the moments are created, stepped, saved and reloaded as bf16 (a reload does not widen
+    them), and a resumed run continues exactly where the uninterrupted one goes."""
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(777).bfloat16())
+    q = torch.nn.Parameter(p.detach().clone())
+    grads = [torch.randn(777).bfloat16() for _ in range(4)]
+    whole = CPUAdam([p], lr=1e-2, weight_decay=0.1, impl=impl, state_dtype=torch.bfloat16)
+    for g in grads:
+        p.grad = g
+        whole.step()
+    first = CPUAdam([q], lr=1e-2, weight_decay=0.1, impl=impl, state_dtype=torch.bfloat16)
+    for g in grads[:2]:
+        q.grad = g
+        first.step()
+    resumed = CPUAdam([q], lr=1e-2, weight_decay=0.1, impl=impl, state_dtype=torch.bfloat16)
+    resumed.load_state_dict(first.state_dict())
+    assert {resumed.state[q][k].dtype for k in ("exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    for g in grads[2:]:
+        q.grad = g
+        resumed.step()
+    assert torch.equal(q, p)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        CPUAdam([p], state_dtype=torch.float16)
+
+
+def test_the_avx2_build_matches_torch_on_an_avx512_machine(monkeypatch):
+    """The kernel dispatches at build time on the CPU's SIMD level: on a machine with AVX-512 the default build
+    never runs the AVX2 path that AVX2-only CPUs get, so build that one too (ZEROENGINE_SIMD) and check it."""
+    from zeroengine.ops.cpu_features import SIMD_ENV, SimdLevel, simd_level
+
+    if simd_level() is not SimdLevel.AVX512:
+        pytest.skip("the default build is already the AVX2 (or scalar) one here")
+    monkeypatch.setenv(SIMD_ENV, "avx2")
+    ours, ref = make_params([(100003,)])
+    opt = CPUAdam(ours, lr=1e-2, weight_decay=0.1, impl="cpp")
+    assert opt.backend == "cpp-avx2"
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    step_both(opt, ref_opt, ours, ref)
+    assert_close(ours[0], ref[0])
+    lean = torch.nn.Parameter(ref[0].detach().bfloat16())  # and the bf16 loads and stores
+    wide = torch.nn.Parameter(lean.detach().float())
+    a = CPUAdam([lean], lr=1e-2, impl="cpp", state_dtype=torch.bfloat16)
+    b = CPUAdam([wide], lr=1e-2, impl="cpp")
+    lean.grad, wide.grad = ref[0].grad.clone(), ref[0].grad.clone()
+    a.step()
+    b.step()
+    assert torch.equal(lean, wide.bfloat16())
+    assert torch.equal(a.state[lean]["exp_avg_sq"], b.state[wide]["exp_avg_sq"].bfloat16())

@@ -41,12 +41,26 @@ def test_partial_offload_splits_masters_and_state_by_the_ratio():
     assert none == zeroengine.estimate_memory(PSI, 2, 2)
 
 
+def test_bf16_masters_drop_the_fp32_copy_and_bf16_states_halve_adams():
+    plain = zeroengine.estimate_memory(PSI, 2, 2, dtype=torch.bfloat16)
+    lean = zeroengine.estimate_memory(PSI, 2, 2, dtype=torch.bfloat16, bf16_masters=True)
+    leaner = zeroengine.estimate_memory(PSI, 2, 2, dtype=torch.bfloat16, bf16_masters=True, bf16_optimizer_states=True)
+    assert (plain["master_params"], lean["master_params"]) == (4 * PSI / 2, 0)
+    assert (lean["optimizer_states"], leaner["optimizer_states"]) == (8 * PSI / 2, 4 * PSI / 2)
+    offloaded = zeroengine.estimate_memory(PSI, 2, 2, 0.5, dtype=torch.bfloat16, bf16_masters=True,
+                                           bf16_optimizer_states=True)
+    assert offloaded["master_params"] == pytest.approx(2 * PSI / 2 * 0.5)  # the offloaded share's bf16 copy
+    assert offloaded["cpu"] == pytest.approx(0.5 * (2 + 4) * PSI / 2)
+
+
 @pytest.mark.parametrize("kwargs", [dict(stage=4), dict(stage=0, offload_optimizer=True), dict(stage=2, offload_param=True),
                                     dict(stage=1, dtype=torch.int8), dict(stage=1, world_size=0),
                                     dict(stage=2, offload_optimizer=1.5), dict(stage=2, offload_optimizer=-0.5),
                                     dict(model_or_param_count=-1e9), dict(model_or_param_count=float("nan")),
                                     dict(model_or_param_count=2.5), dict(world_size=2.5), dict(stage=True),
-                                    dict(stage="2"), dict(stage=2, offload_optimizer="cpu")])
+                                    dict(stage="2"), dict(stage=2, offload_optimizer="cpu"),
+                                    dict(stage=2, bf16_masters=True), dict(stage=0, dtype=torch.bfloat16, bf16_masters=True),
+                                    dict(stage=2, dtype=torch.bfloat16, bf16_optimizer_states=True)])
 def test_bad_arguments(kwargs):
     args = dict(model_or_param_count=10, world_size=2, stage=1) | kwargs
     with pytest.raises(ValueError):

@@ -149,9 +149,10 @@ class ZeroEngineConfig(ConfigModel):
             why = "needs bf16.enabled (the parameters it keeps as masters are bf16)"
         elif int(self.zero_optimization.stage) == 0:
             why = "needs ZeRO stage 1, 2 or 3 (as in DeepSpeed)"
-        elif self.zero_optimization.offload_optimizer is not None:
-            why = ("is not built with offload_optimizer yet: the CPU Adam steps fp32 masters; turn one of the two "
-                   "off")
+        elif self.zero_optimization.offload_optimizer is not None and \
+                self.zero_optimization.offload_optimizer.device == "nvme":
+            why = ("is not built with offload_optimizer.device \"nvme\" (the swap files hold fp32 masters and "
+                   "moments): use device \"cpu\"")
         elif self.optimizer is not None and self.optimizer.type not in ("Adam", "AdamW"):
             why = f"is built for Adam and AdamW, not {self.optimizer.type}"
         if why:

@@ -77,7 +77,7 @@ class DelayedUpdate:
     """
 
     def __init__(self, optimizer, layout, rank: int, pieces: list[list[torch.nn.Parameter]], buckets: list[int],
-                 pin_memory: bool, warmup_steps: int):
+                 pin_memory: bool, warmup_steps: int, grad_dtype: torch.dtype = torch.float32):
         self.optimizer = optimizer
         self.layout = layout
         self.rank = rank
@@ -85,9 +85,9 @@ class DelayedUpdate:
         self.buckets = sorted(buckets)
         self.warmup_steps = warmup_steps
         pin = pin_memory and torch.cuda.is_available()
-        # This rank's whole offloaded gradient shard, in fp32: the thread reads it while the next backward
-        # writes the device buffers again.
-        self.host_grads = {b: torch.empty(layout.buckets[b].chunk_numel, dtype=torch.float32, pin_memory=pin)
+        # This rank's whole offloaded gradient shard, in the masters' dtype (fp32, or bf16 for bf16 masters): the
+        # thread reads it while the next backward writes the device buffers again.
+        self.host_grads = {b: torch.empty(layout.buckets[b].chunk_numel, dtype=grad_dtype, pin_memory=pin)
                            for b in self.buckets}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None  # this rank's background step's
@@ -171,7 +171,7 @@ class DelayedUpdate:
                 # Widened on the device and copied on the current stream, one bucket at a time: the widened
                 # temporary goes back to the caching allocator at once, which hands its memory only to later
                 # work on this stream, ordered after the copy; the next backward's writes wait for it too.
-                host.copy_(grad.float(), non_blocking=True)
+                host.copy_(grad.to(host.dtype), non_blocking=True)
                 on_device = True
         if not on_device:
             return None

@@ -6,9 +6,10 @@ before stepping would need a host copy of all of them (4 bytes per parameter
 on top of the optimizer's 12) and would leave the CPU idle during the copy.
 Instead (Note: double-buffered offload step):
 
-* bucket b+1's gradient chunk is copied down (converted to fp32 on the device
-  first, so the host does no conversion) on a side stream, into one of two
-  pinned buffers, while the CPU optimizer steps bucket b from the other;
+* bucket b+1's gradient chunk is copied down (converted to the masters' dtype
+  on the device first, so the host does no conversion: fp32, or bf16 with
+  ``bf16_master_weights_and_grads``) on a side stream, into one of two pinned
+  buffers, while the CPU optimizer steps bucket b from the other;
 * the unscale and clip factors are applied on the host buffer, in the same
   order and precision as the in-memory path, so results are bit-identical;
 * the CPU Adam writes the 16-bit copy of the updated values in the same pass
@@ -73,7 +74,10 @@ class OffloadedStep:
         largest = max((layout.buckets[b].chunk_numel for b in self.buckets), default=0)
         pin = pin_memory and torch.cuda.is_available()
         count = min(2, len(self.buckets))
-        self.host_grads = [torch.empty(largest, dtype=torch.float32, pin_memory=pin) for _ in range(count)]
+        # The gradients the in-memory step would give these masters: fp32, or bf16 for bf16 masters (then
+        # unscaled and clipped in bf16 as that step does, and half the bytes to copy down).
+        grad_dtype = chunks[self.buckets[0]].dtype if self.buckets else torch.float32
+        self.host_grads = [torch.empty(largest, dtype=grad_dtype, pin_memory=pin) for _ in range(count)]
         self.copy_buffers: list[torch.Tensor] | None = None
         if copy_dtype is not None:
             self.copy_buffers = [torch.empty(largest, dtype=copy_dtype, pin_memory=pin) for _ in range(count)]
@@ -125,7 +129,7 @@ class OffloadedStep:
             self._stream = torch.cuda.Stream(device=grad.device)
         self._stream.wait_stream(torch.cuda.current_stream(grad.device))
         with torch.cuda.stream(self._stream):
-            widened = grad.float()  # convert where it is cheap; the host only reads fp32
+            widened = grad.to(host.dtype)  # convert where it is cheap; the host reads the masters' dtype
             host.copy_(widened, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)

@@ -9,6 +9,9 @@ from typing import Callable, Iterable
 import torch
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Moments: fp32 (the default, whatever the param dtype), or bf16 (bf16.bf16_optimizer_states: 4 bytes a parameter
+# for the two instead of 8). fp16 moments are not offered: exp_avg_sq underflows to 0 and the next step divides by eps.
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,16 @@ class AdamHyper:
 
 class AdamBase(torch.optim.Optimizer):
     """Param groups and state laid out like torch.optim.Adam/AdamW (``step``,
-    ``exp_avg``, ``exp_avg_sq``), so state dicts load in either direction."""
+    ``exp_avg``, ``exp_avg_sq``), so state dicts load in either direction. ``state_dtype``: the moments'
+    storage (fp32, or bf16; the arithmetic is fp32 either way)."""
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, adamw_mode: bool, amsgrad: bool):
+                 weight_decay: float, adamw_mode: bool, amsgrad: bool, state_dtype: torch.dtype = torch.float32):
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"{type(self).__name__}: moments are stored in float32 or bfloat16, not {state_dtype}")
+        self.state_dtype = state_dtype
         AdamHyper(lr, betas[0], betas[1], eps, weight_decay, adamw_mode).check()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         adamw_mode=adamw_mode, amsgrad=False, maximize=False)
@@ -76,8 +83,8 @@ class AdamBase(torch.optim.Optimizer):
                 param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that the moments stay fp32: torch casts saved state to each param's dtype, and
-        fp16 moments underflow (exp_avg_sq to 0, then NaN weights after the next step)."""
+        """torch's, except that the moments keep ``state_dtype``: torch casts saved state to each param's dtype,
+        and fp16 moments underflow (exp_avg_sq to 0, then NaN weights after the next step)."""
         moments = {index: {key: value for key, value in saved.items()
                            if key in ("exp_avg", "exp_avg_sq") and isinstance(value, torch.Tensor)}
                    for index, saved in state_dict["state"].items()}
@@ -87,7 +94,7 @@ class AdamBase(torch.optim.Optimizer):
         for index, saved in moments.items():
             param = param_of[index]
             for key, value in saved.items():
-                self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+                self.state[param][key] = value.to(device=param.device, dtype=self.state_dtype, copy=True)
 
     def _advance_state(self, param: torch.Tensor) -> tuple[dict, int]:
         """The param's state (created on first use) after counting one more step."""
@@ -97,10 +104,10 @@ class AdamBase(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__}: unsupported param dtype {param.dtype}")
         state = self.state[param]
         if not state:
-            # fp32 moments whatever the param dtype; step as a CPU float tensor,
+            # state_dtype moments whatever the param dtype; step as a CPU float tensor,
             # the layout torch.optim.Adam uses when neither fused nor capturable.
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32,
+            state["exp_avg"] = torch.zeros_like(param, dtype=self.state_dtype,
                                                 memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         state["step"] += 1
@@ -121,11 +128,11 @@ def reference_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     """One Adam/AdamW step with torch ops, in place; ``step`` counts this update.
 
     The definition the kernels implement, in the order torch.optim.Adam applies
-    it, computed in fp32: the moments are fp32, a 16-bit grad or param is
-    widened first and a 16-bit param rounded once at the end. ``copy_to``
-    receives the updated param.
+    it, computed in fp32: a 16-bit grad, param or moment is widened first and
+    rounded once at the end. ``copy_to`` receives the updated param.
     """
-    work = param if param.dtype == torch.float32 else param.float()
+    stored = (param, exp_avg, exp_avg_sq)
+    work, exp_avg, exp_avg_sq = (t if t.dtype == torch.float32 else t.float() for t in stored)
     grad = grad.float()
     if hyper.adamw:
         work.mul_(1.0 - hyper.lr * hyper.weight_decay)
@@ -137,7 +144,8 @@ def reference_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     bias_correction2_sqrt = math.sqrt(1.0 - hyper.beta2**step)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
     work.addcdiv_(exp_avg, denom, value=-hyper.lr / bias_correction1)
-    if work is not param:
-        param.copy_(work)
+    for target, computed in zip(stored, (work, exp_avg, exp_avg_sq)):
+        if computed is not target:
+            target.copy_(computed)
     if copy_to is not None:
         copy_to.copy_(work)

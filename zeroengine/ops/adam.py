@@ -27,8 +27,10 @@ class CPUAdam(AdamBase):
     built), ``impl="torch"`` never uses it. ``backend`` names what runs:
     ``"cpp-avx512"``, ``"cpp-avx2"``, ``"cpp-scalar"`` or ``"torch"``.
 
-    The kernel takes contiguous fp32 params (master weights); any other param
-    gets the reference step. Moments are fp32 whatever the param dtype.
+    The kernel takes contiguous fp32 params (master weights) with fp32 moments,
+    and bf16 params with fp32 or bf16 moments (``state_dtype``: the lean modes,
+    ``bf16.bf16_master_weights_and_grads`` with offload); any other param gets
+    the reference step. Moments are ``state_dtype`` whatever the param dtype.
 
     Params on an accelerator (the buckets partial offload, ``offload_optimizer.ratio``,
     keeps there) are stepped where they are, by FusedAdam's multi-tensor step,
@@ -37,10 +39,10 @@ class CPUAdam(AdamBase):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
-                 amsgrad: bool = False, *, impl: str = "auto"):
+                 amsgrad: bool = False, *, impl: str = "auto", state_dtype: torch.dtype = torch.float32):
         if impl not in ("auto", "cpp", "torch"):
             raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', got {impl!r}")
-        super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, amsgrad)
+        super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, amsgrad, state_dtype)
         self._kernel = None if impl == "torch" else _load_kernel(required=impl == "cpp")
         self._device_kernel = _NOT_LOADED  # FusedAdam's CUDA op, loaded when a CUDA param first steps
         self.backend = f"cpp-{self._kernel.simd_level()}" if self._kernel else "torch"
@@ -89,12 +91,19 @@ class CPUAdam(AdamBase):
             _check_copy_target(param, copy_to)
         state, step = self._advance_state(param)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        if self._kernel is not None and param.dtype == torch.float32 and all(
+        if self._kernel is not None and _kernel_takes(param, exp_avg) and all(
                 t.is_contiguous() for t in (param, exp_avg, exp_avg_sq)):
             self._kernel.adam_step(param, param.grad.contiguous(), exp_avg, exp_avg_sq, copy_to,
                                    step, **hyper.kernel_args())
         else:
             reference_adam_step(param, param.grad, exp_avg, exp_avg_sq, step, hyper, copy_to)
+
+
+def _kernel_takes(param: torch.Tensor, exp_avg: torch.Tensor) -> bool:
+    """The dtypes cpu_adam.cpp is built for: fp32 masters with fp32 moments, bf16 ones with either."""
+    if param.dtype == torch.float32:
+        return exp_avg.dtype == torch.float32
+    return param.dtype == torch.bfloat16 and param.grad.dtype in (torch.float32, torch.bfloat16)
 
 
 def _check_copy_target(param: torch.Tensor, target: torch.Tensor) -> None:

@@ -51,7 +51,8 @@ def multi_tensor_step(optimizer: AdamBase, params: list[torch.Tensor], hyper: Ad
         buckets[key].append((param, param.grad, state["exp_avg"], state["exp_avg_sq"]))
     for (device, _, step), tensors in buckets.items():
         params, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*tensors))
-        if kernel is not None and device.type == "cuda" and all(t.is_contiguous() for t in params):
+        if kernel is not None and device.type == "cuda" and all(t.is_contiguous() for t in params) and all(
+                m.dtype == torch.float32 for m in exp_avgs):
             grads = [g.contiguous() for g in grads]
             kernel.fused_adam(params, grads, exp_avgs, exp_avg_sqs, step, **hyper.kernel_args())
         else:
@@ -63,10 +64,13 @@ def _torch_fused_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                       hyper: AdamHyper) -> None:
     """torch's fused kernel (CUDA; CPU since torch 2.4) on one bucket.
 
-    That kernel wants one dtype for params and moments, so 16-bit params are
-    updated through fp32 copies and rounded back once.
+    That kernel wants one dtype for params and moments, so 16-bit params and
+    moments are updated through fp32 copies and rounded back once.
     """
-    work = [p if p.dtype == torch.float32 else p.float() for p in params]
+    stored = [*params, *exp_avgs, *exp_avg_sqs]
+    widened = [t if t.dtype == torch.float32 else t.float() for t in stored]
+    count = len(params)
+    work, exp_avgs, exp_avg_sqs = widened[:count], widened[count:2 * count], widened[2 * count:]
     grads = [g.float() for g in grads]
     # The kernel reads the already-incremented step from a tensor on the params' device.
     steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
@@ -74,9 +78,9 @@ def _torch_fused_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     fused(work, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hyper.lr, beta1=hyper.beta1,
           beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False,
           maximize=False)
-    for param, updated in zip(params, work):
-        if updated is not param:
-            param.copy_(updated)
+    for target, updated in zip(stored, widened):
+        if updated is not target:
+            target.copy_(updated)
 
 
 def _load_kernel(required: bool):

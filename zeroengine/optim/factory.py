@@ -66,11 +66,14 @@ def build_optimizer(type_name: str, params: Dict[str, Any] | None, parameters,
     groups = _normalize_parameters(parameters)
     _betas_to_tuple(kwargs, "optimizer.params")
     if bf16_masters_state_dtype is not None:
-        return _build_lean_adam(name, kwargs, groups, bf16_masters_state_dtype)
+        return _build_lean_adam(name, kwargs, groups, bf16_masters_state_dtype, offload_optimizer)
     return _BUILDERS[name](name, kwargs, groups, offload_optimizer)
 
 
-def _build_lean_adam(name: str, kwargs: dict, groups: list, state_dtype: torch.dtype) -> torch.optim.Optimizer:
+def _build_lean_adam(name: str, kwargs: dict, groups: list, state_dtype: torch.dtype,
+                     offload_optimizer: bool) -> torch.optim.Optimizer:
+    """bf16 masters: LeanAdam where the parameters are, the C++ CPUAdam (bf16 params; fp32 or bf16 moments,
+    DeepSpeed's ``fp32_optimizer_states``) with ``offload_optimizer``."""
     from .lean_adam import LeanAdam
 
     if name not in ("Adam", "AdamW"):
@@ -82,10 +85,15 @@ def _build_lean_adam(name: str, kwargs: dict, groups: list, state_dtype: torch.d
         raise OptimizerParamsError("optimizer.params.amsgrad", "amsgrad is not built with bf16 masters")
     kwargs.pop("fused", None)
     kwargs.pop("foreach", None)
+    # DeepSpeed's CPU Adam keeps bf16 moments for bf16 params when told fp32_optimizer_states=false (and
+    # bf16_optimizer_states overrides it to that); honoured likewise where the CPU Adam steps.
+    if kwargs.pop("fp32_optimizer_states", True) is False and offload_optimizer:
+        state_dtype = torch.bfloat16
     _drop_deepspeed_flags(kwargs)
     kwargs.setdefault("weight_decay", 0.0)
-    return _construct(LeanAdam, groups, {**kwargs, "adamw_mode": name == "AdamW" or adam_w_mode,
-                                         "state_dtype": state_dtype}, name)
+    cls = _import_cpu_adam(required=True) if offload_optimizer else LeanAdam
+    return _construct(cls, groups, {**kwargs, "adamw_mode": name == "AdamW" or adam_w_mode,
+                                    "state_dtype": state_dtype}, name)
 
 
 # --------------------------------------------------------------------------- per type

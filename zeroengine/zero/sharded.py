@@ -76,9 +76,10 @@ class ShardedOptimizer(ZeroOptimizer):
             if self.swapper is not None and self.on_host(bucket.index):
                 self.swapper.store_initial(bucket.index)
         # Offload: the step streams gradients down bucket by bucket (zeroengine/offload/step.py). In 16-bit
-        # training the C++ CPU Adam writes each updated value out in the model's dtype in the same pass
-        # (into pinned staging buffers), so the copy back needs no conversion.
-        copy_dtype = policy.param_dtype if policy.mixed and hasattr(optimizer, "step_with_copy") else None
+        # training with fp32 masters the C++ CPU Adam writes each updated value out in the model's dtype in the
+        # same pass (into pinned staging buffers), so the copy back needs no conversion; bf16 masters are that
+        # dtype already and go back as they are.
+        copy_dtype = policy.param_dtype if policy.separate_masters and hasattr(optimizer, "step_with_copy") else None
         self.offloaded_step = None if not host else OffloadedStep(
             optimizer, self.layout, rank, self.chunks, self.pieces, copy_dtype, bool(offload.pin_memory),
             buckets=host, swapper=self.swapper)
@@ -88,7 +89,7 @@ class ShardedOptimizer(ZeroOptimizer):
                               "the delayed update runs in a background thread: turn delayed_update off")
         self.delayed = None if not host or not offload.delayed_update else DelayedUpdate(
             optimizer, self.layout, rank, self.pieces, host, bool(offload.pin_memory),
-            offload.delayed_update_warmup_steps)
+            offload.delayed_update_warmup_steps, grad_dtype=policy.master_dtype)
         self.resident_buckets = [b.index for b in buckets if not self.on_host(b.index)]
         self._inv_scale, self._clip_coef = 1.0, 1.0
         self._refreshing: list = []  # all-gathers of updated buckets started by the offloaded step
@@ -102,14 +103,15 @@ class ShardedOptimizer(ZeroOptimizer):
 
     def _stepped_chunk(self, bucket, fp32_values) -> torch.Tensor:
         """This rank's chunk of ``bucket`` as the optimizer steps it, where it steps: a new fp32 master (16-bit
-        training, or an offloaded bucket) or a view of the parameters. One bucket at a time, so no more than
-        a bucket's masters ever exist twice or on the wrong side."""
+        training), a copy in host memory (an offloaded bucket: fp32, or bf16 with bf16 masters) or a view of the
+        parameters. One bucket at a time, so no more than a bucket's masters ever exist twice or on the wrong
+        side."""
         if self.policy.separate_masters:
             chunk = gather_chunk(fp32_values, bucket, self.rank, torch.float32)
         else:  # (a copy where the parameters' chunk is on NVMe: the step's result is written back to it)
             chunk = self.flat_params.read_chunk(bucket)
         if self.on_host(bucket.index):
-            return self._to_host(chunk, fresh=self.policy.mixed or self._on_drive(bucket))
+            return self._to_host(chunk, fresh=self.policy.separate_masters or self._on_drive(bucket))
         if chunk.device != self.flat_params.device:  # masters cut from values zero.Init kept in CPU memory
             return chunk.to(self.flat_params.device)
         return chunk
@@ -120,7 +122,7 @@ class ShardedOptimizer(ZeroOptimizer):
         pin = bool(self.offload.pin_memory) and torch.cuda.is_available()
         if fresh and chunk.device.type == "cpu" and (chunk.is_pinned() or not pin):
             return chunk
-        return self._host_buffer(chunk.shape, torch.float32).copy_(chunk)
+        return self._host_buffer(chunk.shape, chunk.dtype).copy_(chunk)
 
     def _host_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu",

@@ -1,6 +1,11 @@
-// Adam / AdamW step over flat fp32 CPU tensors (param, exp_avg, exp_avg_sq),
-// with an fp32, bf16 or fp16 gradient and an optional bf16/fp16 copy of the
-// updated parameter written in the same pass.
+// Adam / AdamW step over flat CPU tensors (param, exp_avg, exp_avg_sq), with an
+// fp32, bf16 or fp16 gradient and an optional bf16/fp16 copy of the updated
+// parameter written in the same pass.
+//
+// The param and moments are fp32 (master weights), or bf16 for the lean modes
+// (bf16.bf16_master_weights_and_grads: a bf16 param with fp32 or bf16 moments):
+// every value is widened to fp32 on load, the arithmetic is the fp32 path's, and
+// each result is rounded to nearest-even once, when it is stored.
 //
 // The step is memory bound (28 bytes per fp32 parameter), so the design goal is
 // one streaming pass: every array is read and written exactly once, OpenMP
@@ -25,12 +30,12 @@ namespace {
 // Marks "no 16-bit copy requested" in the kernel's template arguments.
 struct NoCopy {};
 
-template <typename GradT, typename CopyT>
+template <typename ParamT, typename GradT, typename StateT, typename CopyT>
 struct AdamArrays {
-  float* param;
+  ParamT* param;
   const GradT* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
+  StateT* exp_avg;
+  StateT* exp_avg_sq;
   CopyT* copy;  // nullptr unless CopyT is a 16-bit type
 };
 
@@ -46,8 +51,8 @@ inline const void* ahead(const void* p) {
 }
 
 // Updates elements [begin, end); Ops::kWidth must divide end - begin.
-template <typename Ops, typename GradT, typename CopyT>
-inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, int64_t begin,
+template <typename Ops, typename ParamT, typename GradT, typename StateT, typename CopyT>
+inline void adam_range(const AdamArrays<ParamT, GradT, StateT, CopyT>& a, const AdamHyper& h, int64_t begin,
                        int64_t end) {
   using R = typename Ops::Reg;
   const R beta1 = Ops::set1(h.beta1), beta2 = Ops::set1(h.beta2);
@@ -58,10 +63,10 @@ inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, in
   // Local restrict copies of the pointers: read through `a`, the compiler must
   // assume each float store may change them and reloads all of them every
   // iteration (five extra loads per vector, most costly in the copy-out loop).
-  float* __restrict param = a.param;
+  ParamT* __restrict param = a.param;
   const GradT* __restrict grad = a.grad;
-  float* __restrict exp_avg = a.exp_avg;
-  float* __restrict exp_avg_sq = a.exp_avg_sq;
+  StateT* __restrict exp_avg = a.exp_avg;
+  StateT* __restrict exp_avg_sq = a.exp_avg_sq;
   CopyT* __restrict copy = a.copy;
 
   // One vector's worth of elements, starting at i.
@@ -95,6 +100,7 @@ inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, in
   // 2-10% faster with it at 1 and 2 threads, the bf16 copy-out 5-9%; the
   // AVX-512 build, whose loads already take a whole line each, moved by -3% to
   // +6%, within that machine's noise. In cache it costs nothing.
+  // (Lines of the fp32 arrays: a bf16 array's line covers two steps and is prefetched twice, which is free.)
   constexpr int64_t kLineFloats = 64 / sizeof(float);
   constexpr int64_t kStep = Ops::kWidth > kLineFloats ? Ops::kWidth : kLineFloats;
   int64_t i = begin;
@@ -113,8 +119,8 @@ inline void adam_range(const AdamArrays<GradT, CopyT>& a, const AdamHyper& h, in
 // enough to balance two to a few dozen threads on 1M+ element tensors.
 constexpr int64_t kBlock = 16384;
 
-template <typename GradT, typename CopyT>
-void adam_tensor(const AdamArrays<GradT, CopyT>& a, int64_t numel, const AdamHyper& h) {
+template <typename ParamT, typename GradT, typename StateT, typename CopyT>
+void adam_tensor(const AdamArrays<ParamT, GradT, StateT, CopyT>& a, int64_t numel, const AdamHyper& h) {
   const int64_t blocks = (numel + kBlock - 1) / kBlock;
   // Follow torch.set_num_threads so the engine controls CPU use in one place.
   const int threads = at::get_num_threads();
@@ -138,13 +144,35 @@ void dispatch_copy(const at::Tensor& param, const at::Tensor& grad, const at::Te
   float* v = exp_avg_sq.data_ptr<float>();
   const int64_t n = param.numel();
   if (!copy.has_value()) {
-    adam_tensor(AdamArrays<GradT, NoCopy>{p, g, m, v, nullptr}, n, h);
+    adam_tensor(AdamArrays<float, GradT, float, NoCopy>{p, g, m, v, nullptr}, n, h);
   } else if (copy->scalar_type() == at::kBFloat16) {
     auto* out = static_cast<c10::BFloat16*>(copy->data_ptr());
-    adam_tensor(AdamArrays<GradT, c10::BFloat16>{p, g, m, v, out}, n, h);
+    adam_tensor(AdamArrays<float, GradT, float, c10::BFloat16>{p, g, m, v, out}, n, h);
   } else {
     auto* out = static_cast<c10::Half*>(copy->data_ptr());
-    adam_tensor(AdamArrays<GradT, c10::Half>{p, g, m, v, out}, n, h);
+    adam_tensor(AdamArrays<float, GradT, float, c10::Half>{p, g, m, v, out}, n, h);
+  }
+}
+
+// A bf16 param (the lean modes): no copy target (the param is already the 16-bit value), an fp32 or
+// bf16 gradient (the engine widens offloaded gradients on the device; a caller may pass bf16 ones).
+template <typename GradT, typename StateT>
+void dispatch_bf16(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const AdamHyper& h) {
+  auto* p = static_cast<c10::BFloat16*>(param.data_ptr());
+  const GradT* g = static_cast<const GradT*>(grad.const_data_ptr());
+  auto* m = static_cast<StateT*>(exp_avg.data_ptr());
+  auto* v = static_cast<StateT*>(exp_avg_sq.data_ptr());
+  adam_tensor(AdamArrays<c10::BFloat16, GradT, StateT, NoCopy>{p, g, m, v, nullptr}, param.numel(), h);
+}
+
+template <typename StateT>
+void dispatch_bf16_grad(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq, const AdamHyper& h) {
+  switch (grad.scalar_type()) {
+    case at::kFloat: return dispatch_bf16<float, StateT>(param, grad, exp_avg, exp_avg_sq, h);
+    case at::kBFloat16: return dispatch_bf16<c10::BFloat16, StateT>(param, grad, exp_avg, exp_avg_sq, h);
+    default: TORCH_CHECK(false, "cpu_adam: a bf16 param takes a float32 or bfloat16 grad, got ", grad.scalar_type());
   }
 }
 
@@ -167,16 +195,26 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   check_flat(grad, "grad", n);
   check_flat(exp_avg, "exp_avg", n);
   check_flat(exp_avg_sq, "exp_avg_sq", n);
-  TORCH_CHECK(param.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
-                  exp_avg_sq.scalar_type() == at::kFloat,
-              "cpu_adam: param, exp_avg and exp_avg_sq must be float32");
+  TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type(),
+              "cpu_adam: exp_avg and exp_avg_sq must have one dtype");
   TORCH_CHECK(step >= 1, "cpu_adam: step must be >= 1, got ", step);
+  const AdamHyper h = make_adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw);
+  if (param.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!copy.has_value(), "cpu_adam: a bf16 param takes no copy target (it is the 16-bit value)");
+    switch (exp_avg.scalar_type()) {
+      case at::kFloat: return dispatch_bf16_grad<float>(param, grad, exp_avg, exp_avg_sq, h);
+      case at::kBFloat16: return dispatch_bf16_grad<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, h);
+      default: TORCH_CHECK(false, "cpu_adam: moments must be float32 or bfloat16, got ", exp_avg.scalar_type());
+    }
+  }
+  TORCH_CHECK(param.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat,
+              "cpu_adam: a float32 param takes float32 moments; a bfloat16 one float32 or bfloat16 "
+              "moments (got param ", param.scalar_type(), ", moments ", exp_avg.scalar_type(), ")");
   if (copy.has_value()) {
     check_flat(*copy, "copy target", n);
     TORCH_CHECK(copy->scalar_type() == at::kBFloat16 || copy->scalar_type() == at::kHalf,
                 "cpu_adam: copy target must be bfloat16 or float16, got ", copy->scalar_type());
   }
-  const AdamHyper h = make_adam_hyper(step, lr, beta1, beta2, eps, weight_decay, adamw);
   switch (grad.scalar_type()) {
     case at::kFloat: return dispatch_copy<float>(param, grad, exp_avg, exp_avg_sq, copy, h);
     case at::kBFloat16:

@@ -54,7 +54,8 @@ class BF16Config(ConfigModel):
     bf16_master_weights_and_grads: bool = Field(
         False, description="ZeRO stages 1-3: no fp32 master copy; the optimizer steps the bf16 parameters with bf16 "
                            "gradients (its arithmetic in fp32, each result rounded to bf16). Saves 4 bytes per "
-                           "parameter; with Adam/AdamW only, without optimizer offload.")
+                           "parameter; with Adam/AdamW only. With offload_optimizer (device cpu) the C++ CPU Adam steps "
+                           "the offloaded bf16 chunks.")
     bf16_optimizer_states: bool = Field(
         False, description="Adam's moments in bf16 (4 bytes per parameter instead of 8); needs "
                            "bf16_master_weights_and_grads, as in DeepSpeed.")
