@@ -4,6 +4,11 @@ main job's model, per optimizer and seed.
     python benchmarks/bench_optimizers.py [--steps 300] [--seeds 0,1,2] [--optimizers AdamW,Adafactor,SM3,Muon]
                                           [--out benchmarks/results/optimizers.json] [--plot ...png] [--quick]
     python benchmarks/bench_optimizers.py --optimizers AdamW-bf16,AdamW-bf16-masters,AdamW-bf16-states --seeds 0,1
+    python benchmarks/bench_optimizers.py --optimizers SM3@0.1,SM3@0.2 --seeds 0 --out ... --plot ...
+    python benchmarks/bench_optimizers.py --optimizers AdamW-bf16 --seeds 2 --append   # add runs to --out
+
+``NAME@LR`` runs NAME at another peak rate (Muon: its matrices' ``muon_lr``): a learning-rate sweep.
+``--append`` keeps the runs already in ``--out`` (those of another optimizer or seed) and summarises all of them.
 
 examples/gpt's GPT (4 layers, width 128, bytes of the Python standard library's source, the main job's data)
 at ZeRO stage 2 on 2 gloo ranks, every optimizer on the same batches per seed, with the same schedule shape: a
@@ -56,6 +61,17 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def optimizer_config(name: str) -> dict:
+    """The ``optimizer`` section a run name stands for: ``NAME`` or ``NAME@LR`` (NAME at peak rate LR)."""
+    base, _, lr = name.partition("@")
+    if base not in OPTIMIZERS:
+        raise SystemExit(f"unknown optimizer {base!r}: expected one of {', '.join(OPTIMIZERS)}")
+    section = {"type": OPTIMIZERS[base]["type"], "params": dict(OPTIMIZERS[base]["params"])}
+    if lr:
+        section["params"]["muon_lr" if section["type"] == "Muon" else "lr"] = float(lr)
+    return section
+
+
 def _train(rank, world, name: str, seed: int, steps: int, eval_every: int):
     import torch
     from model import GPT, GPTConfig
@@ -68,9 +84,9 @@ def _train(rank, world, name: str, seed: int, steps: int, eval_every: int):
     model = GPT(GPTConfig(vocab_size=256, block_size=BLOCK, n_layer=4, n_head=4, n_embd=128))
     params = model.num_params()
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "steps_per_print": None, "optimizer": OPTIMIZERS[name], "zero_optimization": {"stage": 2}}
-    if name in BF16:
-        config["bf16"] = {"enabled": True, **BF16[name]}
+              "steps_per_print": None, "optimizer": optimizer_config(name), "zero_optimization": {"stage": 2}}
+    if name.partition("@")[0] in BF16:
+        config["bf16"] = {"enabled": True, **BF16[name.partition("@")[0]]}
     engine, _, _, _ = zeroengine.initialize(model=model, config=config)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer.optimizer, lambda s: min((s + 1) / WARMUP, max(0.0, (steps - s) / (steps - WARMUP))))
@@ -117,12 +133,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="12 steps, one seed (a smoke test)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "optimizers.json"))
     parser.add_argument("--plot", default=os.path.join(HERE, "results", "optimizers.png"))
+    parser.add_argument("--append", action="store_true", help="keep the other runs already in --out")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.seeds, args.eval_every = 12, "0", 6
     from zeroengine.testing import run_distributed
 
     names = args.optimizers.split(",")
+    for name in names:
+        optimizer_config(name)  # an unknown name stops here, not after the first runs
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for name in names:  # interleaved: every optimizer of a seed before the next seed
@@ -131,6 +150,12 @@ def main() -> int:
             print(f"seed {seed} {name:10s} held-out {r['evals'][-1][1]:.4f} train {statistics.mean(r['losses'][-10:]):.4f} "
                   f"state {r['state_bytes_per_param']:.3f} B/param (first-step RSS {r['first_step_rss_bytes_per_param']:.2f}) "
                   f"step {r['step_s'] * 1e3:.1f} ms", flush=True)
+    seeds = {int(s) for s in args.seeds.split(",")}
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            kept = [r for r in json.load(f)["runs"] if not (r["optimizer"] in names and r["seed"] in seeds)]
+        names = list(dict.fromkeys([r["optimizer"] for r in kept] + names))
+        runs = sorted(kept + runs, key=lambda r: (r["seed"], names.index(r["optimizer"])))
     summary = {}
     for name in names:
         mine = [r for r in runs if r["optimizer"] == name]
@@ -142,7 +167,8 @@ def main() -> int:
                          "step_ms": 1e3 * statistics.mean(r["step_s"] for r in mine)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"steps": args.steps, "world": 2, "stage": 2, "optimizers": OPTIMIZERS, "summary": summary,
+        json.dump({"steps": args.steps, "world": 2, "stage": 2,
+                   "optimizers": {name: optimizer_config(name) for name in names}, "summary": summary,
                    "runs": runs}, f, indent=1)
     _plot(runs, names, args.plot)
     print(f"{'optimizer':10s} | held-out (mean, min-max) | state B/param | step ms")
