@@ -1,7 +1,7 @@
 """Throughput of one Adam step over a large flat fp32 parameter, side by side.
 
     python benchmarks/bench_adam.py [--params 50000000] [--repeats 7] [--device cpu|cuda]
-                                    [--simd avx2,avx512] [--threads N]
+                                    [--simd avx2,avx512] [--threads N] [--lean]
 
 CPU: zeroengine CPUAdam (C++ kernel, and its PyTorch fallback) vs
 torch.optim.AdamW(foreach=True) vs AdamW(fused=True) vs DeepSpeedCPUAdam when
@@ -16,6 +16,10 @@ e.g. the AVX2 path on an AVX-512 machine beside the AVX-512 one; levels this
 CPU lacks are listed as skipped. Without it, the level the CPU would pick.
 ``--threads`` sets torch's thread count (the kernel follows it) and
 OMP_NUM_THREADS for OpenMP runtimes loaded later (DeepSpeed's op).
+``--lean`` adds the bf16-master steps (``bf16_master_weights_and_grads`` with
+offload): a bf16 param and bf16 gradient with fp32 moments (22 bytes moved per
+parameter) and with bf16 moments (``bf16_optimizer_states``, 14 bytes), beside
+torch's fused AdamW on bf16 params (its moments bf16 as well, 14 bytes).
 
 One flat parameter is how ZeRO hands an optimizer its partition. Each repeat
 times every candidate once, in turn, so machine noise hits all of them alike;
@@ -47,6 +51,11 @@ ADD_BYTES_PER_ELEMENT = 12
 COPY_OUT = "zeroengine CPUAdam + bf16 copy-out"
 TORCH_PLUS_COPY = "torch AdamW fused, then bf16 copy"
 PEERS = ("torch AdamW foreach", "torch AdamW fused", "deepspeed DeepSpeedCPUAdam")  # what the kernel must beat
+LEAN_MASTERS, LEAN_STATES, TORCH_BF16 = ("zeroengine CPUAdam bf16 masters", "zeroengine CPUAdam bf16 masters+moments",
+                                         "torch AdamW fused, bf16 params+moments")
+# Bytes a step moves per parameter, by row (the rest: ADAM_BYTES_PER_PARAM): bf16 param read and written, bf16
+# gradient read, and the moments read and written (fp32 or bf16).
+LEAN_BYTES = {LEAN_MASTERS: 2 + 2 + 2 + 16, LEAN_STATES: 2 + 2 + 2 + 8, TORCH_BF16: 2 + 2 + 2 + 8}
 
 
 @contextlib.contextmanager
@@ -71,6 +80,35 @@ def cpu_has(level: str) -> bool:
 
     needs = {SimdLevel.AVX512: {"avx512f"}, SimdLevel.AVX2: {"avx2", "fma"}, SimdLevel.SCALAR: set()}
     return needs[SimdLevel(level)] <= cpu_flags()
+
+
+def lean_candidates(n: int, simd_levels: list[str | None]) -> dict[str, Callable[[], None] | str]:
+    """The bf16-master steps (each on its own bf16 param with a bf16 gradient)."""
+    from zeroengine.ops.adam import CPUAdam
+
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+    def bf16_param() -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.randn(n).bfloat16())
+        p.grad = (torch.randn(n) * 1e-3).bfloat16()
+        return p
+
+    found: dict[str, Callable[[], None] | str] = {}
+    for level in simd_levels:
+        if level is not None and not cpu_has(level):
+            continue
+        with forced_simd(level):
+            masters = CPUAdam([bf16_param()], **hyper)
+            states = CPUAdam([bf16_param()], **hyper, state_dtype=torch.bfloat16)
+        found[f"{LEAN_MASTERS} ({masters.backend})"] = masters.step
+        found[f"{LEAN_STATES} ({states.backend})"] = states.step
+    found[TORCH_BF16] = torch.optim.AdamW([bf16_param()], **hyper, fused=True).step
+    return found
+
+
+def bytes_per_param(name: str) -> int:
+    matching = [row for row in LEAN_BYTES if name.startswith(row)]  # the longest: one row name begins another
+    return LEAN_BYTES[max(matching, key=len)] if matching else ADAM_BYTES_PER_PARAM
 
 
 def candidates(param: torch.nn.Parameter, device: str,
@@ -130,6 +168,7 @@ def main() -> None:
                         help="comma-separated SIMD levels of the C++ kernel to time side by side, "
                              "e.g. avx2,avx512 (default: the one this CPU picks)")
     parser.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads")
+    parser.add_argument("--lean", action="store_true", help="add the bf16-master steps (CPU)")
     args = parser.parse_args()
     device, n = args.device, args.params
     if args.threads:
@@ -145,6 +184,8 @@ def main() -> None:
     param = torch.nn.Parameter(torch.randn(n, device=device))
     param.grad = torch.randn(n, device=device) * 1e-3
     steps = candidates(param, device, simd_levels)
+    if args.lean and device == "cpu":
+        steps.update(lean_candidates(n, simd_levels))
     runnable = {name: fn for name, fn in steps.items() if callable(fn)}
     a, b = torch.randn(n, device=device), torch.randn(n, device=device)
     runnable["memory: a.add_(b)"] = lambda: a.add_(b)
@@ -164,8 +205,8 @@ def main() -> None:
             rows.append({"name": name, "skipped": reason})
             continue
         median = statistics.median(times[name])
-        rate = ADAM_BYTES_PER_PARAM * n / median
-        rows.append({"name": name, "median_s": median, "steps_per_s": 1.0 / median,
+        rate = bytes_per_param(name) * n / median
+        rows.append({"name": name, "median_s": median, "steps_per_s": 1.0 / median, "bytes_per_param": bytes_per_param(name),
                      "params_per_s": n / median, "bytes_per_s": rate,
                      "fraction_of_bandwidth": rate / bandwidth, "times_s": times[name]})
     fastest_torch = min(r["median_s"] for r in rows
@@ -185,6 +226,10 @@ def main() -> None:
         copy_name = f"{COPY_OUT} (cpp-{level})"
         if copy_name in median:
             ratios[f"copy_out_{level}_vs_torch_fused_plus_copy"] = median[TORCH_PLUS_COPY] / median[copy_name]
+        lean_name = f"{LEAN_STATES} (cpp-{level})"
+        if lean_name in median:  # the same bytes moved: bf16 params and moments both sides
+            ratios[f"bf16_states_{level}_vs_torch_fused_bf16"] = median[TORCH_BF16] / median[lean_name]
+            ratios[f"bf16_states_{level}_vs_fp32_masters"] = median[name] / median[lean_name]
 
     machine = {"platform": platform.platform(), "processor": platform.processor(),
                "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device,
