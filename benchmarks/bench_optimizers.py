@@ -9,6 +9,8 @@ main job's model, per optimizer and seed.
 
 ``NAME@LR`` runs NAME at another peak rate (Muon: its matrices' ``muon_lr``): a learning-rate sweep.
 ``--append`` keeps the runs already in ``--out`` (those of another optimizer or seed) and summarises all of them.
+``--replot A.json,B.json`` trains nothing: it draws the runs of earlier outputs in one plot (--plot), e.g. the
+fp32 optimizers beside AdamW with bf16 states (docs/figures/optimizers.png).
 
 examples/gpt's GPT (4 layers, width 128, bytes of the Python standard library's source, the main job's data)
 at ZeRO stage 2 on 2 gloo ranks, every optimizer on the same batches per seed, with the same schedule shape: a
@@ -134,7 +136,17 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(HERE, "results", "optimizers.json"))
     parser.add_argument("--plot", default=os.path.join(HERE, "results", "optimizers.png"))
     parser.add_argument("--append", action="store_true", help="keep the other runs already in --out")
+    parser.add_argument("--replot", default=None, help="comma list of earlier outputs to plot together (no runs)")
     args = parser.parse_args()
+    if args.replot:
+        runs = []
+        for path in args.replot.split(","):
+            with open(path) as f:
+                runs += json.load(f)["runs"]
+        names = [n for n in dict.fromkeys(r["optimizer"] for r in runs) if n in args.optimizers.split(",")]
+        _plot(runs, names, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     if args.quick:
         args.steps, args.seeds, args.eval_every = 12, "0", 6
     from zeroengine.testing import run_distributed
