@@ -74,6 +74,15 @@ def optimizer_config(name: str) -> dict:
     return section
 
 
+def merge_runs(earlier: list[dict], new: list[dict]) -> tuple[list[str], list[dict]]:
+    """``--append``: the earlier runs (an earlier output's) with the new ones, a new run replacing an earlier one of
+    the same optimizer and seed; (the optimizer names in order of first appearance, the runs by seed, then name)."""
+    replaced = {(r["optimizer"], r["seed"]) for r in new}
+    kept = [r for r in earlier if (r["optimizer"], r["seed"]) not in replaced]
+    names = list(dict.fromkeys(r["optimizer"] for r in kept + new))
+    return names, sorted(kept + new, key=lambda r: (r["seed"], names.index(r["optimizer"])))
+
+
 def _train(rank, world, name: str, seed: int, steps: int, eval_every: int):
     import torch
     from model import GPT, GPTConfig
@@ -162,12 +171,9 @@ def main() -> int:
             print(f"seed {seed} {name:10s} held-out {r['evals'][-1][1]:.4f} train {statistics.mean(r['losses'][-10:]):.4f} "
                   f"state {r['state_bytes_per_param']:.3f} B/param (first-step RSS {r['first_step_rss_bytes_per_param']:.2f}) "
                   f"step {r['step_s'] * 1e3:.1f} ms", flush=True)
-    seeds = {int(s) for s in args.seeds.split(",")}
     if args.append and os.path.exists(args.out):
         with open(args.out) as f:
-            kept = [r for r in json.load(f)["runs"] if not (r["optimizer"] in names and r["seed"] in seeds)]
-        names = list(dict.fromkeys([r["optimizer"] for r in kept] + names))
-        runs = sorted(kept + runs, key=lambda r: (r["seed"], names.index(r["optimizer"])))
+            names, runs = merge_runs(json.load(f)["runs"], runs)
     summary = {}
     for name in names:
         mine = [r for r in runs if r["optimizer"] == name]
