@@ -21,19 +21,25 @@ def _config(stage, masters=True, states=False, world=2):
     return cfg
 
 
+def _first_moment_sum(opt) -> float:
+    """Sum over the ranks of |exp_avg|: Adam's first moment carries the gradient's scale (unscaling, clipping),
+    which its update divides away."""
+    return zeroengine.comm.all_reduce_scalar(sum(float(s["exp_avg"].float().abs().sum()) for s in opt.state.values()))
+
+
 def train_bf16(rank, world, stage, masters, states):
     engine, _, _, _ = zeroengine.initialize(model=make_model(), config=_config(stage, masters, states))
     losses = engine_losses(engine, global_batches(STEPS, 2, world, 2), rank, world)
     opt = engine.optimizer.optimizer
     moments = {v.dtype for s in opt.state.values() for k, v in s.items() if k.startswith("exp_avg")}
     stepped = sum(p.numel() for g in opt.param_groups for p in g["params"])
-    return losses, engine.memory_breakdown(), moments, stepped, type(opt).__name__
+    return losses, engine.memory_breakdown(), moments, stepped, type(opt).__name__, _first_moment_sum(opt)
 
 
 @pytest.mark.parametrize("stage,states", [(1, False), (3, True)])  # (stage 2: the two tests below)
 def test_tracks_fp32_and_keeps_what_the_memory_model_says(stage, states):
     ref_losses, _ = reference_run(STEPS, 2, 2, micro=2, clip=0.5)
-    for losses, mem, moments, stepped, name in run_distributed(train_bf16, 2, stage, True, states):
+    for losses, mem, moments, stepped, name, _ in run_distributed(train_bf16, 2, stage, True, states):
         assert name == "LeanAdam"
         for got, want in zip(losses, ref_losses):  # bf16 training's tolerance (test_zero_parity)
             assert abs(got - want) <= 0.02 * want, (losses, ref_losses)
@@ -54,7 +60,7 @@ def train_offloaded(rank, world, stage, states, ratio, delayed):
     host = sum(c.numel() for b, c in enumerate(engine.optimizer.chunks) if engine.optimizer.on_host(b))
     predicted = zeroengine.estimate_memory(engine.optimizer.layout.param_numel, world, stage, ratio,
                                            dtype=torch.bfloat16, bf16_masters=True, bf16_optimizer_states=states)
-    return losses, engine.memory_breakdown(), moments, stepped, host, opt.backend, predicted
+    return losses, engine.memory_breakdown(), moments, stepped, host, opt.backend, predicted, _first_moment_sum(opt)
 
 
 @pytest.mark.parametrize("stage,states,ratio,delayed", [(1, True, 1.0, False), (2, False, 0.5, False),
@@ -65,15 +71,18 @@ def test_offloaded_bf16_masters_step_in_the_cpu_adam_as_in_memory(stage, states,
     one up to where the two fp32 formulas round an update to a different bf16 value; partial offload steps the
     resident share in the same kernel, and the delayed update trains as a one-step-delayed run."""
     ref_losses, _ = reference_run(STEPS, 2, 2, micro=2, clip=0.5)
-    in_memory = run_distributed(train_bf16, 2, stage, True, states)[0][0]
-    for losses, mem, moments, stepped, host, backend, predicted in run_distributed(train_offloaded, 2, stage, states,
-                                                                                    ratio, delayed):
+    in_memory, *_, in_memory_moment = run_distributed(train_bf16, 2, stage, True, states)[0]
+    for losses, mem, moments, stepped, host, backend, predicted, moment in run_distributed(
+            train_offloaded, 2, stage, states, ratio, delayed):
         assert backend.startswith("cpp-")
         assert moments == {torch.bfloat16 if states else torch.float32}
         for got, want in zip(losses, ref_losses):  # bf16 training's tolerance (test_zero_parity)
             assert abs(got - want) <= 0.02 * want, (losses, ref_losses)
         if not delayed:  # (measured: at most 8e-5 apart over the 6 steps)
             assert losses == pytest.approx(in_memory, rel=5e-4), (losses, in_memory)
+            # Adam hides a gradient off by a constant factor (a clip or unscale missed on the host); its first
+            # moment does not: gradient clipping 0.5 scales these gradients
+            assert moment == pytest.approx(in_memory_moment, rel=1e-2), (moment, in_memory_moment)
         assert 0 < host <= stepped and (host < stepped) == (ratio < 1)
         assert mem["master_params"] == 2 * host  # only the offloaded share is a (bf16) copy
         assert mem["optimizer_states"] == (4 if states else 8) * stepped
@@ -85,8 +94,8 @@ def test_offloaded_bf16_masters_step_in_the_cpu_adam_as_in_memory(stage, states,
 
 def test_fp32_masters_are_what_bf16_masters_save():
     """The same run with fp32 masters holds 4 bytes per stepped element more (the copy bf16 masters drop)."""
-    (_, lean, _, stepped, _), _ = run_distributed(train_bf16, 2, 2, True, True)
-    (_, full, _, _, _), _ = run_distributed(train_bf16, 2, 2, False, False)
+    (_, lean, _, stepped, _, _), _ = run_distributed(train_bf16, 2, 2, True, True)
+    (_, full, _, _, _, _), _ = run_distributed(train_bf16, 2, 2, False, False)
     assert full["master_params"] == 4 * stepped and lean["master_params"] == 0
     assert full["optimizer_states"] - lean["optimizer_states"] == 4 * stepped
 

@@ -168,7 +168,7 @@ class DelayedUpdate:
             elif grad.device.type != "cuda":
                 host.copy_(grad)
             else:
-                # Widened on the device and copied on the current stream, one bucket at a time: the widened
+                # Converted on the device and copied on the current stream, one bucket at a time: the converted
                 # temporary goes back to the caching allocator at once, which hands its memory only to later
                 # work on this stream, ordered after the copy; the next backward's writes wait for it too.
                 host.copy_(grad.to(host.dtype), non_blocking=True)

@@ -64,7 +64,7 @@ class OffloadedStep:
 
     def __init__(self, optimizer, layout, rank: int, chunks: list[torch.Tensor],
                  pieces: list[list[torch.nn.Parameter]], copy_dtype: torch.dtype | None, pin_memory: bool,
-                 buckets: list[int] | None = None, swapper=None):
+                 buckets: list[int] | None = None, swapper=None, grad_dtype: torch.dtype = torch.float32):
         self.optimizer = optimizer
         self.layout = layout
         self.rank = rank
@@ -74,9 +74,8 @@ class OffloadedStep:
         largest = max((layout.buckets[b].chunk_numel for b in self.buckets), default=0)
         pin = pin_memory and torch.cuda.is_available()
         count = min(2, len(self.buckets))
-        # The gradients the in-memory step would give these masters: fp32, or bf16 for bf16 masters (then
-        # unscaled and clipped in bf16 as that step does, and half the bytes to copy down).
-        grad_dtype = chunks[self.buckets[0]].dtype if self.buckets else torch.float32
+        # ``grad_dtype``: the masters' dtype, the gradients the in-memory step gives them: fp32, or bf16 for bf16
+        # masters (then unscaled and clipped in bf16 as that step does, and half the bytes to copy down).
         self.host_grads = [torch.empty(largest, dtype=grad_dtype, pin_memory=pin) for _ in range(count)]
         self.copy_buffers: list[torch.Tensor] | None = None
         if copy_dtype is not None:

@@ -82,7 +82,7 @@ class ShardedOptimizer(ZeroOptimizer):
         copy_dtype = policy.param_dtype if policy.separate_masters and hasattr(optimizer, "step_with_copy") else None
         self.offloaded_step = None if not host else OffloadedStep(
             optimizer, self.layout, rank, self.chunks, self.pieces, copy_dtype, bool(offload.pin_memory),
-            buckets=host, swapper=self.swapper)
+            buckets=host, swapper=self.swapper, grad_dtype=policy.master_dtype)
         if host and offload.delayed_update and isinstance(optimizer, PartitionAware):
             raise ConfigError("zero_optimization.offload_optimizer.delayed_update",
                               f"{type(optimizer).__name__} reduces statistics across ranks inside its step, which "

@@ -155,7 +155,7 @@ void dispatch_copy(const at::Tensor& param, const at::Tensor& grad, const at::Te
 }
 
 // A bf16 param (the lean modes): no copy target (the param is already the 16-bit value), an fp32 or
-// bf16 gradient (the engine widens offloaded gradients on the device; a caller may pass bf16 ones).
+// bf16 gradient (the engine's offloaded bf16 masters step from bf16 ones; a caller may pass fp32 ones).
 template <typename GradT, typename StateT>
 void dispatch_bf16(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const AdamHyper& h) {
