@@ -31,8 +31,6 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from zeroengine.ops._adam_common import run_closure
-
 
 @dataclass(frozen=True)
 class PieceOf:
@@ -104,7 +102,10 @@ class PartitionAware(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = run_closure(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         stepped = self.stepped()
         # (where the step's statistics live: the pieces' device, or the host on a rank with none this call)
         self.step_pieces(stepped, stepped[0][1].device if stepped else torch.device("cpu"))
