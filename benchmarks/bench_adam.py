@@ -1,7 +1,7 @@
 """Throughput of one Adam step over a large flat fp32 parameter, side by side.
 
     python benchmarks/bench_adam.py [--params 50000000] [--repeats 7] [--device cpu|cuda]
-                                    [--simd avx2,avx512] [--threads N] [--lean]
+                                    [--simd avx2,avx512] [--threads N] [--lean] [--as-avx2-cpu]
 
 CPU: zeroengine CPUAdam (C++ kernel, and its PyTorch fallback) vs
 torch.optim.AdamW(foreach=True) vs AdamW(fused=True) vs DeepSpeedCPUAdam when
@@ -20,6 +20,11 @@ OMP_NUM_THREADS for OpenMP runtimes loaded later (DeepSpeed's op).
 offload): a bf16 param and bf16 gradient with fp32 moments (22 bytes moved per
 parameter) and with bf16 moments (``bf16_optimizer_states``, 14 bytes), beside
 torch's fused AdamW on bf16 params (its moments bf16 as well, 14 bytes).
+``--as-avx2-cpu`` runs every candidate as a CPU without AVX-512 would: torch's
+kernels dispatched at AVX2 (ATEN_CPU_CAPABILITY=avx2, set by re-running this
+script), the C++ kernel's AVX2 build, and DeepSpeed's op built with
+``-D__AVX256__ -march=haswell`` in its own extensions folder. The instruction
+streams are those of an AVX2-only CPU; the cores and memory are this machine's.
 
 One flat parameter is how ZeRO hands an optimizer its partition. Each repeat
 times every candidate once, in turn, so machine noise hits all of them alike;
@@ -29,6 +34,7 @@ per element, and like the Adam step it writes only what it has just read). An
 fp32 Adam step moves 28 bytes per parameter (reads p, g, m, v; writes p, m, v),
 so its bytes/s over that bandwidth is the fraction of the attainable rate
 (it can pass 100%: torch's add_ itself does not quite saturate memory).
+Ratios are of medians; ``..._paired`` is the median of the per-repeat ratios.
 Results are printed and written to benchmarks/results/adam[_cuda].json.
 """
 from __future__ import annotations
@@ -40,6 +46,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -82,6 +89,27 @@ def cpu_has(level: str) -> bool:
     return needs[SimdLevel(level)] <= cpu_flags()
 
 
+AVX2_CPU_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ZEROENGINE_SIMD": "avx2"}
+
+
+def rerun_as_avx2_cpu() -> None:
+    """Re-run this script with torch's kernel dispatch capped at AVX2 (read once, when torch loads)."""
+    if all(os.environ.get(key) == value for key, value in AVX2_CPU_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_CPU_ENV})
+
+
+def deepspeed_as_avx2_cpu() -> None:
+    """Build DeepSpeed's CPU Adam as on a CPU without AVX-512: its AVX256 path, no AVX-512 instructions."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    OpBuilder.simd_width = lambda self: "-D__AVX256__"
+    OpBuilder.cpu_arch = lambda self: "-march=haswell"
+    # torch's extension loader keys builds by name only: keep this build apart from the native one.
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_extensions_avx2"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(default)
+
+
 def lean_candidates(n: int, simd_levels: list[str | None]) -> dict[str, Callable[[], None] | str]:
     """The bf16-master steps (each on its own bf16 param with a bf16 gradient)."""
     from zeroengine.ops.adam import CPUAdam
@@ -111,8 +139,8 @@ def bytes_per_param(name: str) -> int:
     return LEAN_BYTES[max(matching, key=len)] if matching else ADAM_BYTES_PER_PARAM
 
 
-def candidates(param: torch.nn.Parameter, device: str,
-               simd_levels: list[str | None]) -> dict[str, Callable[[], None] | str]:
+def candidates(param: torch.nn.Parameter, device: str, simd_levels: list[str | None],
+               as_avx2_cpu: bool = False) -> dict[str, Callable[[], None] | str]:
     """Name -> one step (or, if it cannot run here, the reason why)."""
     from zeroengine.ops.adam import CPUAdam, FusedAdam
 
@@ -142,6 +170,8 @@ def candidates(param: torch.nn.Parameter, device: str,
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            if as_avx2_cpu:
+                deepspeed_as_avx2_cpu()
             found["deepspeed DeepSpeedCPUAdam"] = DeepSpeedCPUAdam([param], **hyper).step
         except Exception as exc:  # not installed, or its op fails to build
             found["deepspeed DeepSpeedCPUAdam"] = f"unavailable: {str(exc).splitlines()[0][:100]}"
@@ -169,7 +199,14 @@ def main() -> None:
                              "e.g. avx2,avx512 (default: the one this CPU picks)")
     parser.add_argument("--threads", type=int, default=None, help="torch (and OpenMP) threads")
     parser.add_argument("--lean", action="store_true", help="add the bf16-master steps (CPU)")
+    parser.add_argument("--as-avx2-cpu", action="store_true",
+                        help="every candidate at AVX2, as on a CPU without AVX-512 (CPU only)")
     args = parser.parse_args()
+    if args.as_avx2_cpu:
+        if args.device != "cpu" or (args.simd and args.simd.strip().lower() != "avx2"):
+            parser.error("--as-avx2-cpu times the CPU step at AVX2 only: drop --device cuda and --simd")
+        rerun_as_avx2_cpu()
+        args.simd = "avx2"
     device, n = args.device, args.params
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -183,7 +220,7 @@ def main() -> None:
 
     param = torch.nn.Parameter(torch.randn(n, device=device))
     param.grad = torch.randn(n, device=device) * 1e-3
-    steps = candidates(param, device, simd_levels)
+    steps = candidates(param, device, simd_levels, as_avx2_cpu=args.as_avx2_cpu)
     if args.lean and device == "cpu":
         steps.update(lean_candidates(n, simd_levels))
     runnable = {name: fn for name, fn in steps.items() if callable(fn)}
@@ -223,6 +260,9 @@ def main() -> None:
         if "deepspeed DeepSpeedCPUAdam" in median:
             ratios[f"cpuadam_{level}_vs_deepspeed"] = median["deepspeed DeepSpeedCPUAdam"] / median[name]
         ratios[f"cpuadam_{level}_vs_fastest_peer"] = peers[fastest_peer] / median[name]
+        # The median of each repeat's own ratio: a load that drifts during the run moves both sides of it alike.
+        ratios[f"cpuadam_{level}_vs_fastest_peer_paired"] = statistics.median(
+            peer / ours for peer, ours in zip(times[fastest_peer], times[name]))
         copy_name = f"{COPY_OUT} (cpp-{level})"
         if copy_name in median:
             ratios[f"copy_out_{level}_vs_torch_fused_plus_copy"] = median[TORCH_PLUS_COPY] / median[copy_name]
@@ -233,10 +273,14 @@ def main() -> None:
 
     machine = {"platform": platform.platform(), "processor": platform.processor(),
                "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device,
-               "load_average": load_before}
+               "load_average": load_before, "as_avx2_cpu": args.as_avx2_cpu}
+    if device == "cpu":
+        machine["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
     where = machine.get("gpu", f"{machine['threads']} threads")
+    if device == "cpu":
+        where += f", torch kernels at {machine['torch_cpu_capability']}"
     print(f"Adam step over {n / 1e6:.0f}M fp32 params on {device} ({where}), "
           f"median of {args.repeats}; "
           f"memory bandwidth (a.add_(b)) {bandwidth / 1e9:.1f} GB/s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
@@ -112,14 +112,6 @@ class AdamBase(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         state["step"] += 1
         return state, int(state["step"].item())
-
-
-def run_closure(closure: Callable[[], float] | None):
-    """The loss from ``closure`` (with grad enabled, as torch optimizers do), if given."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
 
 
 def reference_adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

@@ -6,8 +6,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from zeroengine.ops._adam_common import AdamBase, AdamHyper, run_closure
+from zeroengine.ops._adam_common import AdamBase, AdamHyper
 from zeroengine.ops.builder import load_kernel
+from zeroengine.ops.closure import run_closure
 from zeroengine.ops.op_builders import FusedAdamBuilder
 
 

@@ -31,6 +31,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from zeroengine.ops.closure import run_closure
+
 
 @dataclass(frozen=True)
 class PieceOf:
@@ -102,10 +104,7 @@ class PartitionAware(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         stepped = self.stepped()
         # (where the step's statistics live: the pieces' device, or the host on a rank with none this call)
         self.step_pieces(stepped, stepped[0][1].device if stepped else torch.device("cpu"))
