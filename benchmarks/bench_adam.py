@@ -105,9 +105,10 @@ def deepspeed_as_avx2_cpu() -> None:
 
     OpBuilder.simd_width = lambda self: "-D__AVX256__"
     OpBuilder.cpu_arch = lambda self: "-march=haswell"
-    # torch's extension loader keys builds by name only: keep this build apart from the native one.
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_extensions_avx2"
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(default)
+    # torch's extension loader keys builds by name only: keep this build in a folder beside the native one's.
+    native = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_extensions")
+    os.environ["TORCH_EXTENSIONS_DIR"] = native.rstrip("/") + "_avx2"
 
 
 def lean_candidates(n: int, simd_levels: list[str | None]) -> dict[str, Callable[[], None] | str]:
@@ -276,11 +277,9 @@ def main() -> None:
                "load_average": load_before, "as_avx2_cpu": args.as_avx2_cpu}
     if device == "cpu":
         machine["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    if device == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name()
-    where = machine.get("gpu", f"{machine['threads']} threads")
-    if device == "cpu":
-        where += f", torch kernels at {machine['torch_cpu_capability']}"
+        where = f"{machine['threads']} threads, torch kernels at {machine['torch_cpu_capability']}"
+    else:
+        machine["gpu"] = where = torch.cuda.get_device_name()
     print(f"Adam step over {n / 1e6:.0f}M fp32 params on {device} ({where}), "
           f"median of {args.repeats}; "
           f"memory bandwidth (a.add_(b)) {bandwidth / 1e9:.1f} GB/s")
