@@ -195,3 +195,15 @@ def test_offload_names_the_key_the_cpu_step_cannot_take(fake_cpu_adam, config, k
     with pytest.raises(ConfigError) as info:
         build_optimizer("Adam", dict(config), params(), offload_optimizer=True)
     assert info.value.key_path == key and "offload" in str(info.value), str(info.value)
+
+
+def test_bf16_masters_refuse_torch_adam_by_name():
+    """torch's AdamW on bf16 masters would keep bf16 moments and compute in bf16: neither mode configured."""
+    from zeroengine.config import ConfigError
+
+    for name in ("Adam", "AdamW"):
+        with pytest.raises(ConfigError) as info:
+            build_optimizer(name, {"torch_adam": True}, params(), bf16_masters_state_dtype=torch.float32)
+        assert info.value.key_path == "optimizer.params.torch_adam" and "bf16" in str(info.value)
+    built = build_optimizer("AdamW", {"torch_adam": False}, params(), bf16_masters_state_dtype=torch.float32)
+    assert type(built).__name__ == "LeanAdam" and built.defaults["weight_decay"] == 0.0

@@ -147,3 +147,25 @@ def test_adafactor_on_whole_tensors_is_torchs():
     got = whole_run(lambda ps: Adafactor(ps, lr=0.03), params0, grads)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_adafactor_steps_parameters_of_any_float_dtype(dtype):
+    """Its statistics are fp32 whatever the parameter's dtype (the 1-D second moment as well as the factored
+    ones); each step then is torch's Adafactor on the values widened to fp64, rounded once more at the add."""
+    torch.manual_seed(0)
+    values = [torch.randn(6, 5), torch.randn(7), torch.randn(())]
+    grads = [torch.randn_like(v) for v in values]
+    ours = [torch.nn.Parameter(v.to(dtype)) for v in values]
+    wide = [torch.nn.Parameter(p.detach().double()) for p in ours]
+    eps1 = torch.finfo(dtype).eps  # torch takes eps1 from the parameter's dtype, as ours does
+    opt, ref = Adafactor(ours, lr=0.03), torch.optim.Adafactor(wide, lr=0.03, eps=(eps1, 1e-3))
+    for p, w, g in zip(ours, wide, grads):
+        p.grad, w.grad = g.to(dtype), g.to(dtype).double()
+    opt.step()
+    ref.step()
+    for p, w in zip(ours, wide):
+        assert p.dtype == dtype
+        # fp32 statistics and one rounding of the update to the parameter's dtype (fp64: fp32's precision)
+        tolerance = 1e-5 if dtype == torch.float64 else 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(p.double(), w.detach(), rtol=tolerance, atol=tolerance)

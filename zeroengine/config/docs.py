@@ -108,7 +108,9 @@ def _params_section(section: str, type_name: str, model: Type[BaseModel]) -> str
 
 
 def _summary(model: Type[BaseModel]) -> str:
-    return (model.__doc__ or "").strip().splitlines()[0]
+    """The docstring's first paragraph, on one line (a docstring's first line may end mid-sentence)."""
+    paragraph = (model.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
 
 
 def _table(model: Type[BaseModel], path: str) -> str:

@@ -8,6 +8,8 @@ from typing import Iterable
 
 import torch
 
+from zeroengine.ops.optimizer_protocol import load_state_keeping_moments
+
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Moments: fp32 (the default, whatever the param dtype), or bf16 (bf16.bf16_optimizer_states: 4 bytes a parameter
 # for the two instead of 8). fp16 moments are not offered: exp_avg_sq underflows to 0 and the next step divides by eps.
@@ -85,16 +87,7 @@ class AdamBase(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the moments keep ``state_dtype``: torch casts saved state to each param's dtype,
         and fp16 moments underflow (exp_avg_sq to 0, then NaN weights after the next step)."""
-        moments = {index: {key: value for key, value in saved.items()
-                           if key in ("exp_avg", "exp_avg_sq") and isinstance(value, torch.Tensor)}
-                   for index, saved in state_dict["state"].items()}
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        super().load_state_dict(state_dict)
-        param_of = dict(zip(saved_ids, (p for group in self.param_groups for p in group["params"])))  # as torch
-        for index, saved in moments.items():
-            param = param_of[index]
-            for key, value in saved.items():
-                self.state[param][key] = value.to(device=param.device, dtype=self.state_dtype, copy=True)
+        load_state_keeping_moments(self, state_dict, super().load_state_dict, self.state_dtype)
 
     def _advance_state(self, param: torch.Tensor) -> tuple[dict, int]:
         """The param's state (created on first use) after counting one more step."""

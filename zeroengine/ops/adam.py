@@ -8,9 +8,9 @@ import torch
 
 from zeroengine.ops._adam_common import AdamBase, AdamHyper, reference_adam_step
 from zeroengine.ops.builder import load_kernel
-from zeroengine.ops.closure import run_closure
 from zeroengine.ops.fused_adam import FusedAdam, load_cuda_kernel, multi_tensor_step
 from zeroengine.ops.op_builders import CPUAdamBuilder
+from zeroengine.ops.optimizer_protocol import run_closure
 
 __all__ = ["CPUAdam", "FusedAdam"]
 

@@ -8,8 +8,8 @@ import torch
 
 from zeroengine.ops._adam_common import AdamBase, AdamHyper
 from zeroengine.ops.builder import load_kernel
-from zeroengine.ops.closure import run_closure
 from zeroengine.ops.op_builders import FusedAdamBuilder
+from zeroengine.ops.optimizer_protocol import run_closure
 
 
 class FusedAdam(AdamBase):

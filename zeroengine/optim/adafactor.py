@@ -77,7 +77,8 @@ class Adafactor(PartitionAware):
                 state["row_var"] = p.new_zeros((*place.shape[:-1], 1), dtype=torch.float32)
                 state["col_var"] = p.new_zeros((*place.shape[:-2], 1, place.shape[-1]), dtype=torch.float32)
             else:
-                state["variance"] = torch.zeros_like(p)
+                # fp32 whatever the parameter's dtype, as the factored statistics are: the gradient is widened
+                state["variance"] = torch.zeros_like(p, dtype=torch.float32)
         return state
 
     def step_pieces(self, stepped, device) -> None:

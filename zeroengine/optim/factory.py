@@ -79,7 +79,12 @@ def _build_lean_adam(name: str, kwargs: dict, groups: list, state_dtype: torch.d
     if name not in ("Adam", "AdamW"):
         raise OptimizerParamsError("bf16.bf16_master_weights_and_grads", f"bf16 masters are built for Adam and "
                                    f"AdamW, not {name}")
-    _pop_bool(kwargs, "torch_adam", False)
+    if _pop_bool(kwargs, "torch_adam", False):
+        # DeepSpeed hands bf16 masters to torch's AdamW here, whose moments and arithmetic are then bf16 too:
+        # neither the fp32 moments DeepSpeed documents for this mode nor what bf16_optimizer_states asks.
+        raise OptimizerParamsError("optimizer.params.torch_adam", "bf16 masters step with zeroengine's Adam "
+                                   "(fp32 arithmetic, moments in fp32 or bf16 as configured), not torch's: remove "
+                                   "torch_adam, or bf16.bf16_master_weights_and_grads")
     adam_w_mode = _pop_bool(kwargs, "adam_w_mode", True)
     if kwargs.pop("amsgrad", False):
         raise OptimizerParamsError("optimizer.params.amsgrad", "amsgrad is not built with bf16 masters")

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from zeroengine.ops.closure import run_closure
+from zeroengine.ops.optimizer_protocol import load_state_keeping_moments, run_closure
 
 
 class LeanAdam(torch.optim.Optimizer):
@@ -26,6 +26,14 @@ class LeanAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.adamw_mode = adamw_mode
         self.state_dtype = state_dtype
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the moments keep ``state_dtype`` (torch would round fp32 ones to the bf16
+        parameter's dtype); without one they follow the parameter's dtype, as torch's do."""
+        if self.state_dtype is None:
+            super().load_state_dict(state_dict)
+        else:
+            load_state_keeping_moments(self, state_dict, super().load_state_dict, self.state_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -14,7 +14,9 @@ What DeepSpeed's ``"type": "Muon"`` trains (its ``MuonWithAuxAdam``), and so wha
   wide orientation; ``ns_method`` "gram" (default) iterates on the Gram matrix ``X X^T`` with a restart at the
   second iteration (the same function, fewer FLOPs for wide matrices) in fp16, "standard" on ``X`` in bf16, each
   in fp32 where the device cannot (as DeepSpeed decides: :func:`ns_compute_dtype`). A 4-D (conv) tensor is
-  orthogonalised as ``[out, in * kh * kw]``.
+  orthogonalised as ``[out, in * kh * kw]`` and scaled by that matrix's ``sqrt(max(1, rows / cols))``: DeepSpeed
+  0.19.8's ``muon_update`` fails on 4-D tensors, and Keller Jordan's, which reshapes the same way, takes the
+  scale from the kernel's ``kh / kw`` instead; ours is the matrix that was orthogonalised.
 * Adam: ``m <- lerp(m, g, 1 - b1)``, ``v <- lerp(v, g^2, 1 - b2)``, ``p -= lr * m_hat / (sqrt(v_hat) + eps)``.
 
 Under ZeRO a rank holds flat pieces of matrices. Newton-Schulz is not elementwise, so each Muon matrix is made

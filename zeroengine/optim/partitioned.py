@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from zeroengine.ops.closure import run_closure
+from zeroengine.ops.optimizer_protocol import run_closure
 
 
 @dataclass(frozen=True)

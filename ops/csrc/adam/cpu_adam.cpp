@@ -60,6 +60,9 @@ inline void adam_range(const AdamArrays<ParamT, GradT, StateT, CopyT>& a, const 
   const R eps = Ops::set1(h.eps), weight_decay = Ops::set1(h.weight_decay);
   const R decay_factor = Ops::set1(h.decay_factor), inv_bc2_sqrt = Ops::set1(h.inv_bc2_sqrt);
   const R neg_step_size = Ops::set1(-h.step_size);
+  // Adam's L2 term only where there is one: 0 * an infinite param is NaN, which would poison the moments
+  // where torch skips the term (AdamW mode zeroes weight_decay). The branch is the same for every element.
+  const bool l2 = h.weight_decay != 0.0f;
   // Local restrict copies of the pointers: read through `a`, the compiler must
   // assume each float store may change them and reloads all of them every
   // iteration (five extra loads per vector, most costly in the copy-out loop).
@@ -73,10 +76,10 @@ inline void adam_range(const AdamArrays<ParamT, GradT, StateT, CopyT>& a, const 
   auto update = [&](int64_t i) {
     R p = Ops::load(param + i);
     R g = Ops::load(grad + i);
-    // Branch-free weight decay: make_adam_hyper zeroes weight_decay in AdamW
-    // mode and sets decay_factor to 1 in Adam mode, so exactly one applies.
-    g = Ops::fmadd(weight_decay, p, g);  // Adam: L2 term joins the gradient
-    p = Ops::mul(p, decay_factor);       // AdamW: decoupled shrink of the param
+    // make_adam_hyper zeroes weight_decay in AdamW mode and sets decay_factor to 1
+    // in Adam mode, so at most one of the two applies.
+    if (l2) g = Ops::fmadd(weight_decay, p, g);  // Adam: L2 term joins the gradient
+    p = Ops::mul(p, decay_factor);                // AdamW: decoupled shrink of the param
     const R m = Ops::fmadd(beta1, Ops::load(exp_avg + i), Ops::mul(one_minus_beta1, g));
     const R v = Ops::fmadd(beta2, Ops::load(exp_avg_sq + i),
                            Ops::mul(one_minus_beta2, Ops::mul(g, g)));

@@ -43,7 +43,14 @@ struct ScalarOps {
   static Reg mul(Reg a, Reg b) { return a * b; }
   static Reg div(Reg a, Reg b) { return a / b; }
   static Reg sqrt(Reg a) { return std::sqrt(a); }
-  static Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }  // a * b + c
+  // a * b + c, rounded once where the build has FMA, as the vector body's fmadd is: a tensor's tail then rounds
+  // exactly like its body (ISO C++ mode keeps GCC from contracting a * b + c on its own). The portable build
+  // has no vector body to agree with, and may run where fma is a slow library call.
+#if defined(__FMA__)
+  static Reg fmadd(Reg a, Reg b, Reg c) { return std::fma(a, b, c); }
+#else
+  static Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }
+#endif
   static void prefetch(const void*) {}  // the portable build leaves it to the hardware
 };
 
