@@ -133,3 +133,21 @@ def test_cuda_state_dict_round_trips_with_torch():
     step_both(to_torch, to_ours, ours, ref, steps=2, seed=2)
     for a, b in zip(ours, ref):
         assert_close(a, b)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("adamw_mode, weight_decay", [(True, 0.01), (False, 0.0)])
+def test_cuda_kernel_keeps_torchs_finite_moments_for_an_infinite_param(adamw_mode, weight_decay):
+    """No L2 term where there is none (AdamW mode, Adam without decay): 0 * inf would be NaN in the moments."""
+    values = torch.tensor([float("inf"), -float("inf"), 1.0, -2.0] * 5, device="cuda")
+    ours, ref = [torch.nn.Parameter(values.clone())], [torch.nn.Parameter(values.clone())]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=weight_decay, adamw_mode=adamw_mode, impl="cuda")
+    ref_opt = (torch.optim.AdamW if adamw_mode else torch.optim.Adam)(ref, lr=1e-2, weight_decay=weight_decay)
+    step_both(opt, ref_opt, ours, ref, steps=2)
+    infinite = torch.isinf(values)
+    assert torch.equal(ours[0][infinite], values[infinite])
+    assert_close(ours[0][~infinite], ref[0][~infinite])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.isfinite(opt.state[ours[0]][key]).all()
+        assert_close(opt.state[ours[0]][key], ref_opt.state[ref[0]][key])

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(ChunkTable table, AdamHy
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
     float p = to_float(param[i]);
     float g = to_float(grad[i]);
-    g += h.weight_decay * p;  // Adam (L2); zero in AdamW mode
+    if (h.weight_decay != 0.0f) g += h.weight_decay * p;  // Adam (L2; zero in AdamW mode): 0 * inf is NaN
     p *= h.decay_factor;      // AdamW (decoupled); one in Adam mode
     const float m = h.beta1 * exp_avg[i] + (1.0f - h.beta1) * g;
     const float v = h.beta2 * exp_avg_sq[i] + (1.0f - h.beta2) * g * g;
