@@ -29,6 +29,7 @@ element and stays partitioned (4 bytes per parameter); the Adam half is elementw
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 
 import torch
@@ -45,10 +46,13 @@ ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay":
 
 def ns_compute_dtype(ns_method: str, device: torch.device) -> torch.dtype:
     """The dtype Newton-Schulz runs in, chosen as DeepSpeed 0.19.8 does: "gram" fp16, "standard" bf16, fp32
-    where the device does not support that (on a CPU, fp16 needs oneDNN's fp16 support)."""
+    where the device does not support that (on a CPU, fp16 needs oneDNN's fp16 support; on a GPU, compute
+    capability 7 or more, or 6 with DeepSpeed's DS_ALLOW_DEPRECATED_FP16=1)."""
     if ns_method == "gram":
         if device.type == "cuda":
-            return torch.float16
+            major, _ = torch.cuda.get_device_capability(device)
+            deprecated_ok = major == 6 and os.environ.get("DS_ALLOW_DEPRECATED_FP16", "0") == "1"
+            return torch.float16 if major >= 7 or deprecated_ok else torch.float32
         try:
             return torch.float16 if torch.ops.mkldnn._is_mkldnn_fp16_supported() else torch.float32
         except (AttributeError, RuntimeError):
