@@ -13,7 +13,7 @@ from optimizer_references import ReferenceSM3
 from zeroengine.optim.adafactor import Adafactor
 from zeroengine.optim.partitioned import Partition, PieceOf, blocks, stepping
 
-SHAPES = [(6, 5), (7,), (2, 3, 4), (1, 9), (4, 1)]
+SHAPES = [(6, 5), (7,), (2, 3, 4), (1, 9), (4, 1), (2, 3, 1, 4)]  # matrices, vectors, 3-D, 4-D, size-1 dims
 
 
 class ThreadReduce:
