@@ -89,14 +89,12 @@ def cpu_has(level: str) -> bool:
     return needs[SimdLevel(level)] <= cpu_flags()
 
 
-AVX2_CPU_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ZEROENGINE_SIMD": "avx2"}
-
-
 def rerun_as_avx2_cpu() -> None:
-    """Re-run this script with torch's kernel dispatch capped at AVX2 (read once, when torch loads)."""
-    if all(os.environ.get(key) == value for key, value in AVX2_CPU_ENV.items()):
+    """Re-run this script with torch's kernel dispatch capped at AVX2 (read once, when torch loads). The C++
+    kernel's level is ``--simd avx2``'s, set where it loads (forced_simd)."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
         return
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_CPU_ENV})
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
 
 
 def deepspeed_as_avx2_cpu() -> None:
