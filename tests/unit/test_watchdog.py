@@ -149,3 +149,44 @@ def test_the_watchdog_can_be_turned_off(monkeypatch, value):
     assert not watchdog_requested()
     monkeypatch.setenv("ZEROENGINE_WATCHDOG", "1")
     assert watchdog_requested()
+
+
+class _SlowStore:
+    """A store whose every call takes a while, as one across a loaded network does: the watchdog's thread is
+    then mostly inside a store call when something stops it."""
+
+    def __init__(self, delay_s: float):
+        self.inner, self.delay_s = dist.HashStore(), delay_s
+
+    def set(self, key, value):
+        time.sleep(self.delay_s)
+        self.inner.set(key, value)
+
+    def check(self, keys):
+        time.sleep(self.delay_s)
+        return self.inner.check(keys)
+
+    def get(self, key):
+        time.sleep(self.delay_s)
+        return self.inner.get(key)
+
+
+def test_stop_returns_once_the_thread_has_left_the_store():
+    """A daemon thread still inside a store call (GIL released) when the interpreter finalizes aborts the process
+    after the script has ended ("terminate called without an active exception", seen on accelerate's loop, which
+    destroys its group itself): stop() waits for the thread to leave."""
+    dog = Watchdog(_SlowStore(0.2), 0, timeout_s=1.0, generation=1, heartbeat_s=0.01).start()
+    time.sleep(0.3)  # the thread is now in its loop of store calls
+    dog.stop()
+    assert not dog._thread.is_alive()
+
+
+def test_exit_stops_the_watchdog_of_a_group_the_script_destroyed_itself(monkeypatch):
+    from zeroengine.comm import backend
+
+    dog = Watchdog(_SlowStore(0.2), 0, timeout_s=1.0, generation=1, heartbeat_s=0.01).start()
+    monkeypatch.setattr(backend.state, "watchdog", dog)
+    monkeypatch.setattr(backend.dist, "is_initialized", lambda: False)  # (as after accelerate's end_training)
+    time.sleep(0.3)
+    backend._ExitTeardown().run()
+    assert not dog._thread.is_alive() and backend.state.watchdog is None

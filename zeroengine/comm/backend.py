@@ -65,6 +65,9 @@ class _ExitTeardown:
 
     def run(self) -> None:
         if self.failing or not dist.is_initialized():
+            # (the script destroyed its group itself, or is failing: the watchdog still polls the store, and
+            # must not be inside a store call when the interpreter finalizes; see Watchdog.stop)
+            stop_watchdog()
             return
         try:
             shutdown()

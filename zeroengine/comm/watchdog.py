@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 RUNNING, WAITING, FINISHED, FAILED = "running", "waiting", "finished", "failed"
 SILENT_BACKEND_GRACE_S = 10.0  # past the comm timeout, before a wait the backend never ends counts as hung
+STOP_JOIN_S = 5.0  # how long stop() waits for the thread to leave a store call (a live store answers in ms)
 EXIT_HANG = 1
 
 
@@ -230,6 +231,11 @@ class Watchdog:
             self._terminal = (state, note, time.time())
             self._post()
         self._stop.set()
+        # Wait for the thread to leave any store call: a daemon thread still inside one (GIL released) when the
+        # interpreter finalizes is unwound through C++ frames that cannot be, and the process aborts
+        # ("terminate called without an active exception") after the script itself has ended well.
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(STOP_JOIN_S)
 
     # -- the thread -------------------------------------------------------------------------------------------
     def _run(self) -> None:
